@@ -1,0 +1,48 @@
+"""aiocoll: collective communication for PyTorch inside asyncio.
+
+Run ``async def fn(comm)`` on many ranks of one event loop; every collective is an
+awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at once::
+
+    import torch, aiocoll
+
+    async def worker(comm):
+        t = torch.ones(3) * comm.rank
+        await comm.all_reduce(t)
+        return t
+
+    results = aiocoll.spawn(worker, world=4)
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._comm import Comm
+from ._engine import Work
+from ._errors import (
+    AiocollError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DeadlockError,
+    InvalidArgumentError,
+    WorldAbortedError,
+)
+from ._spawn import DEFAULT_TIMEOUT, spawn, spawn_async
+
+try:
+    __version__ = version("aiocoll")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AiocollError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "Comm",
+    "DeadlockError",
+    "InvalidArgumentError",
+    "Work",
+    "WorldAbortedError",
+    "__version__",
+    "spawn",
+    "spawn_async",
+]

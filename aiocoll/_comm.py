@@ -1,0 +1,356 @@
+"""``Comm``: a rank's handle on a group. Validates arguments, builds the op, joins the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from . import _ops as ops
+from ._engine import Group, Work, World, call_site
+from ._errors import InvalidArgumentError
+
+__all__ = ["Comm"]
+
+_SUM = dist.ReduceOp.SUM
+
+
+class Comm:
+    """One rank's view of a group: its ``rank`` and ``world_size`` and the collectives.
+
+    Every collective is issued when called and returns an awaitable ``Work``; ranks are
+    group-local, as in torch.distributed::
+
+        async def worker(comm):
+            t = torch.ones(2) * comm.rank
+            await comm.all_reduce(t)            # t == sum of all ranks' tensors
+            evens = await comm.new_group([0, 2])
+            return t
+
+    Bad arguments raise ``InvalidArgumentError`` on the calling rank before it joins,
+    leaving its tensors untouched.
+    """
+
+    __slots__ = ("_world", "_group", "rank", "world_size")
+
+    def __init__(self, world: World, group: Group, rank: int) -> None:
+        self._world = world
+        self._group = group
+        self.rank = rank
+        """This rank's index in the group."""
+        self.world_size = group.size
+        """How many ranks the group has."""
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's index in the whole world of ``spawn``."""
+        return self._group.ranks[self.rank]
+
+    @property
+    def group_ranks(self) -> tuple[int, ...]:
+        """The global ranks of this group's members, in group-rank order."""
+        return self._group.ranks
+
+    @property
+    def group_name(self) -> str:
+        return self._group.name
+
+    def __repr__(self) -> str:
+        return f"<Comm rank={self.rank}/{self.world_size} group={self._group.name!r}>"
+
+    # -- validation helpers ------------------------------------------------------------
+
+    def _bad(self, op: str, message: str) -> NoReturn:
+        raise InvalidArgumentError(f"{op} on rank {self.rank}: {message}")
+
+    def _tensor(self, op: str, arg: str, x: object) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            self._bad(op, f"argument {arg!r}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.is_sparse:
+            self._bad(op, f"argument {arg!r}: sparse tensors are not supported")
+        return x
+
+    def _tensors(self, op: str, arg: str, xs: object, n: int | None = None) -> list[torch.Tensor]:
+        if not isinstance(xs, (list, tuple)):
+            self._bad(op, f"argument {arg!r}: expected a list of tensors, got {type(xs).__name__}")
+        if n is not None and len(xs) != n:
+            self._bad(op, f"argument {arg!r}: expected {n} tensors (the group size), got {len(xs)}")
+        return [self._tensor(op, f"{arg}[{i}]", x) for i, x in enumerate(xs)]
+
+    def _root(self, op: str, arg: str, r: object) -> int:
+        if not isinstance(r, int) or isinstance(r, bool):
+            self._bad(op, f"argument {arg!r}: expected an int rank, got {type(r).__name__}")
+        if not 0 <= r < self.world_size:
+            self._bad(op, f"argument {arg!r}: rank {r} is out of range for a group of {self.world_size}")
+        return r
+
+    def _same(self, op: str, arg: str, t: torch.Tensor, ref_arg: str, ref: torch.Tensor, shape: bool = True) -> None:
+        if t.dtype != ref.dtype:
+            self._bad(op, f"argument {arg!r} has dtype {t.dtype} but {ref_arg!r} has {ref.dtype}")
+        if t.device != ref.device:
+            self._bad(op, f"argument {arg!r} is on {t.device} but {ref_arg!r} is on {ref.device}")
+        if shape and t.shape != ref.shape:
+            self._bad(op, f"argument {arg!r} has shape {list(t.shape)} but {ref_arg!r} has {list(ref.shape)}")
+
+    def _reduction(self, op: str, red: object, dtype: torch.dtype) -> ops.Reduction:
+        try:
+            r = ops.Reduction.of(red)
+            r.check_dtype(dtype, "op")
+        except InvalidArgumentError as e:
+            self._bad(op, str(e))
+        return r
+
+    def _join(self, call: Any) -> Work:
+        return self._world.join(self._group, self.rank, call, call_site(2))
+
+    # -- collectives -------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM) -> Work:
+        """Reduce ``tensor`` across the group, in place on every rank."""
+        t = self._tensor("all_reduce", "tensor", tensor)
+        return self._join(ops.AllReduce(t, self._reduction("all_reduce", op, t.dtype)))
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = _SUM) -> Work:
+        """Reduce ``tensor`` across the group into rank ``dst``'s tensor; others are unchanged."""
+        t = self._tensor("reduce", "tensor", tensor)
+        dst = self._root("reduce", "dst", dst)
+        return self._join(ops.Reduce(t, dst, self._reduction("reduce", op, t.dtype)))
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        t = self._tensor("broadcast", "tensor", tensor)
+        return self._join(ops.Broadcast(t, self._root("broadcast", "src", src)))
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        """Every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
+        x = self._tensor("all_gather", "tensor", tensor)
+        outs = self._tensors("all_gather", "tensor_list", tensor_list, self.world_size)
+        for i, o in enumerate(outs):
+            self._same("all_gather", f"tensor_list[{i}]", o, "tensor", x, shape=False)
+        if outs[self.rank].shape != x.shape:
+            self._bad(
+                "all_gather",
+                f"argument 'tensor_list[{self.rank}]' has shape {list(outs[self.rank].shape)} "
+                f"but this rank's 'tensor' has {list(x.shape)}",
+            )
+        return self._join(ops.AllGather(outs, x))
+
+    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> Work:
+        """Gather every rank's input into ``output_tensor``, concatenated along dim 0 (or stacked)."""
+        op = "all_gather_into_tensor"
+        out = self._tensor(op, "output_tensor", output_tensor)
+        x = self._tensor(op, "input_tensor", input_tensor)
+        self._same(op, "output_tensor", out, "input_tensor", x, shape=False)
+        if out.numel() != x.numel() * self.world_size:
+            self._bad(
+                op,
+                f"argument 'output_tensor' must hold world_size ({self.world_size}) x input "
+                f"({x.numel()} elements), has {out.numel()}",
+            )
+        return self._join(ops.AllGatherIntoTensor(out, x))
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0) -> Work:
+        """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+        x = self._tensor("gather", "tensor", tensor)
+        dst = self._root("gather", "dst", dst)
+        outs = None
+        if self.rank == dst:
+            if gather_list is None:
+                self._bad("gather", "argument 'gather_list' is required on the destination rank")
+            outs = self._tensors("gather", "gather_list", gather_list, self.world_size)
+            for i, o in enumerate(outs):
+                self._same("gather", f"gather_list[{i}]", o, "tensor", x)
+        elif gather_list:
+            self._bad("gather", f"argument 'gather_list' must be None or empty on non-destination rank {self.rank}")
+        return self._join(ops.Gather(x, outs, dst))
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0) -> Work:
+        """Send ``scatter_list[i]`` of rank ``src`` to rank i's ``tensor``."""
+        out = self._tensor("scatter", "tensor", tensor)
+        src = self._root("scatter", "src", src)
+        ins = None
+        if self.rank == src:
+            if scatter_list is None:
+                self._bad("scatter", "argument 'scatter_list' is required on the source rank")
+            ins = self._tensors("scatter", "scatter_list", scatter_list, self.world_size)
+            for i, x in enumerate(ins):
+                self._same("scatter", f"scatter_list[{i}]", x, "tensor", out)
+        elif scatter_list:
+            self._bad("scatter", f"argument 'scatter_list' must be None or empty on non-source rank {self.rank}")
+        return self._join(ops.Scatter(out, ins, src))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = _SUM) -> Work:
+        """Reduce ``input_list[i]`` across ranks into rank i's ``output``."""
+        out = self._tensor("reduce_scatter", "output", output)
+        ins = self._tensors("reduce_scatter", "input_list", input_list, self.world_size)
+        for i, x in enumerate(ins):
+            self._same("reduce_scatter", f"input_list[{i}]", x, "output", out)
+        return self._join(ops.ReduceScatter(out, ins, self._reduction("reduce_scatter", op, out.dtype)))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: Any = _SUM) -> Work:
+        """Reduce ``input`` across ranks; rank i gets chunk i (along dim 0) in ``output``."""
+        name = "reduce_scatter_tensor"
+        out = self._tensor(name, "output", output)
+        x = self._tensor(name, "input", input)
+        self._same(name, "input", x, "output", out, shape=False)
+        if x.numel() != out.numel() * self.world_size:
+            self._bad(
+                name,
+                f"argument 'input' must hold world_size ({self.world_size}) x output "
+                f"({out.numel()} elements), has {x.numel()}",
+            )
+        return self._join(ops.ReduceScatterTensor(out, x, self._reduction(name, op, out.dtype)))
+
+    def all_to_all(self, output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor]) -> Work:
+        """Send ``input_tensor_list[j]`` to rank j; receive rank j's into ``output_tensor_list[j]``."""
+        outs = self._tensors("all_to_all", "output_tensor_list", output_tensor_list, self.world_size)
+        ins = self._tensors("all_to_all", "input_tensor_list", input_tensor_list, self.world_size)
+        for i, t in enumerate(outs + ins):
+            arg = f"output_tensor_list[{i}]" if i < len(outs) else f"input_tensor_list[{i - len(outs)}]"
+            self._same("all_to_all", arg, t, "input_tensor_list[0]", ins[0], shape=False)
+        if outs[self.rank].shape != ins[self.rank].shape:
+            self._bad(
+                "all_to_all",
+                f"argument 'output_tensor_list[{self.rank}]' has shape {list(outs[self.rank].shape)} "
+                f"but 'input_tensor_list[{self.rank}]' has {list(ins[self.rank].shape)}",
+            )
+        return self._join(ops.AllToAll(outs, ins))
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+    ) -> Work:
+        """Split ``input`` along dim 0, send chunk j to rank j, concatenate what arrives in ``output``."""
+        name = "all_to_all_single"
+        out = self._tensor(name, "output", output)
+        x = self._tensor(name, "input", input)
+        self._same(name, "output", out, "input", x, shape=False)
+        if out.dim() == 0 or x.dim() == 0:
+            self._bad(name, "tensors must have at least one dimension")
+        if out.shape[1:] != x.shape[1:]:
+            self._bad(
+                name, f"'output' and 'input' must agree past dim 0, got {list(out.shape)} and {list(x.shape)}"
+            )
+        out_splits = self._splits(name, "output_split_sizes", output_split_sizes, out.shape[0])
+        in_splits = self._splits(name, "input_split_sizes", input_split_sizes, x.shape[0])
+        return self._join(ops.AllToAllSingle(out, x, out_splits, in_splits))
+
+    def _splits(self, op: str, arg: str, splits: Sequence[int] | None, rows: int) -> list[int]:
+        w = self.world_size
+        if splits is None or len(splits) == 0:
+            if rows % w:
+                self._bad(op, f"dim 0 ({rows}) is not divisible by the group size ({w}); pass {arg}")
+            return [rows // w] * w
+        out = list(splits)
+        if len(out) != w:
+            self._bad(op, f"argument {arg!r}: expected {w} sizes (the group size), got {len(out)}")
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in out):
+            self._bad(op, f"argument {arg!r}: sizes must be non-negative ints, got {out}")
+        if sum(out) != rows:
+            self._bad(op, f"argument {arg!r}: sizes {out} sum to {sum(out)}, but dim 0 has {rows} rows")
+        return out
+
+    def barrier(self) -> Work:
+        """Wait until every rank of the group has called ``barrier``."""
+        return self._join(ops.Barrier())
+
+    # -- point to point --------------------------------------------------------------
+
+    def _tag(self, op: str, tag: object) -> int:
+        if not isinstance(tag, int) or isinstance(tag, bool):
+            self._bad(op, f"argument 'tag': expected an int, got {type(tag).__name__}")
+        return tag
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Send ``tensor`` to rank ``dst``; completes when a matching ``recv`` has taken it.
+
+        Sends and receives pair up in call order per (sender, receiver, tag).
+        """
+        t = self._tensor("send", "tensor", tensor)
+        dst = self._root("send", "dst", dst)
+        if dst == self.rank:
+            self._bad("send", f"argument 'dst': rank {dst} cannot send to itself")
+        call = ops.Send(t, dst, self._tag("send", tag))
+        return self._world.send(self._group, self.rank, call, call_site(1))
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Receive into ``tensor`` from rank ``src`` (any rank if None); awaits to the sender's rank."""
+        t = self._tensor("recv", "tensor", tensor)
+        if src is not None:
+            src = self._root("recv", "src", src)
+            if src == self.rank:
+                self._bad("recv", f"argument 'src': rank {src} cannot receive from itself")
+        call = ops.Recv(t, src, self._tag("recv", tag))
+        return self._world.recv(self._group, self.rank, call, call_site(1))
+
+    # -- objects -------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any, src: int) -> Work:
+        """Rank ``src``'s ``obj`` on every rank (each gets its own unpickled copy)."""
+        src = self._root("broadcast_object", "src", src)
+        payload = ops.dumps(obj, "obj") if self.rank == src else None
+        return self._join(ops.BroadcastObject(payload, src))
+
+    def all_gather_object(self, obj: Any) -> Work:
+        """Every rank's ``obj``, as a list indexed by rank, on every rank."""
+        return self._join(ops.AllGatherObject(ops.dumps(obj, "obj")))
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Work:
+        """Every rank's ``obj`` as a list on rank ``dst``; None elsewhere."""
+        dst = self._root("gather_object", "dst", dst)
+        return self._join(ops.GatherObject(ops.dumps(obj, "obj"), dst))
+
+    def scatter_object(self, objs: Sequence[Any] | None, src: int = 0) -> Work:
+        """``objs[i]`` of rank ``src`` to rank i."""
+        src = self._root("scatter_object", "src", src)
+        payloads = None
+        if self.rank == src:
+            if not isinstance(objs, (list, tuple)) or len(objs) != self.world_size:
+                n = len(objs) if isinstance(objs, (list, tuple)) else type(objs).__name__
+                self._bad(
+                    "scatter_object",
+                    f"argument 'objs': expected a list of {self.world_size} objects on the source rank, got {n}",
+                )
+            payloads = [ops.dumps(o, f"objs[{i}]") for i, o in enumerate(objs)]
+        return self._join(ops.ScatterObject(payloads, src))
+
+    # -- sub-groups ----------------------------------------------------------------------
+
+    async def new_group(self, ranks: Sequence[int]) -> Comm | None:
+        """Make a sub-group of ``ranks`` (group-local); every rank of this group must call it.
+
+        Returns the member's ``Comm`` (ranks renumbered in sorted order) or None.
+        """
+        if not isinstance(ranks, (list, tuple, range)) or not ranks:
+            self._bad("new_group", "argument 'ranks': expected a non-empty list of ranks")
+        rs = sorted(self._root("new_group", f"ranks[{i}]", r) for i, r in enumerate(ranks))
+        if len(set(rs)) != len(rs):
+            self._bad("new_group", f"argument 'ranks': duplicate ranks in {list(ranks)}")
+        seq = self._group.next_seq[self.rank]
+        part = await self._join(ops.NewGroup(tuple(rs)))
+        return self._sub(part, seq, f"{self._group.name}/{seq}")
+
+    async def split(self, color: Hashable | None, key: Any = 0) -> Comm | None:
+        """MPI-style split: ranks with the same ``color`` form a group, ordered by (key, rank).
+
+        ``color=None`` joins no group and returns None.
+        """
+        try:
+            hash(color)
+        except TypeError:
+            self._bad("split", f"argument 'color' must be hashable, got {type(color).__name__}")
+        seq = self._group.next_seq[self.rank]
+        part = await self._join(ops.Split(color, key))
+        return self._sub(part, seq, f"{self._group.name}/{seq}:{color}")
+
+    def _sub(self, part: ops.Partition, seq: int, name: str) -> Comm | None:
+        members = part.groups[self.rank]
+        if members is None:
+            return None
+        group = self._group.child((seq, part.colors[self.rank]), name, members)
+        return Comm(self._world, group, members.index(self.rank))

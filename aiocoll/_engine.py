@@ -1,0 +1,663 @@
+"""The engine: rendezvous per (group, sequence number), p2p matching, abort, timeouts
+and deadlock detection. It knows nothing of what an op does: it only compares call
+signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
+
+Everything here runs on the world's event loop thread.
+
+Deadlock detection rests on one invariant: a Work can only complete when some rank
+makes a call. So if every live rank is *blocked* (each of its tasks is awaiting an
+unfinished Work of this world) and no op is executing, nothing can ever complete.
+Tasks a rank creates count as that rank's (a task factory tracks them through a
+context variable), so a rank with a busy helper task is never taken for blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import enum
+import itertools
+import sys
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from types import CodeType
+from typing import Any
+
+from ._errors import (
+    AiocollError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DeadlockError,
+    WorldAbortedError,
+)
+from ._ops import Recv, Send, check_transfer, transfer
+
+__all__ = ["Group", "RankState", "World", "Work", "current_rank_state"]
+
+Site = tuple[str, int]
+
+
+def call_site(depth: int) -> Site:
+    """File and line of the user's frame ``depth`` levels above the caller."""
+    f = sys._getframe(depth + 1)
+    code: CodeType = f.f_code
+    return (code.co_filename, f.f_lineno)
+
+
+def fmt_site(site: Site | None) -> str:
+    return "?" if site is None else f"{site[0]}:{site[1]}"
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    RETURNED = "returned"
+    FAILED = "failed"
+
+
+_rank_var: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
+
+
+def current_rank_state() -> RankState | None:
+    """The rank whose task (or helper task) is running now, if any."""
+    return _rank_var.get()
+
+
+class RankState:
+    """What the engine knows of one global rank: its tasks and what they wait for."""
+
+    __slots__ = ("rank", "world", "phase", "live", "parked", "waiting", "task", "__weakref__")
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.rank = rank
+        self.world = world
+        self.phase = Phase.RUNNING
+        self.live = 0  # tasks (or threads) acting for this rank
+        self.parked = 0  # of those, how many await an unfinished Work
+        self.waiting: list[Work] = []
+        self.task: asyncio.Task[Any] | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.live > 0 and self.parked == self.live
+
+    def _change(self, dlive: int, dparked: int) -> None:
+        was_blocked, was_live = self.blocked, self.live > 0
+        self.live += dlive
+        self.parked += dparked
+        now_blocked = self.blocked
+        w = self.world
+        w._n_blocked += now_blocked - was_blocked
+        w._n_live += (self.live > 0) - was_live
+        if (now_blocked and not was_blocked) or (was_live and self.live == 0):
+            w._check_deadlock()
+
+    def enter(self) -> None:
+        """A task or thread starts acting for this rank."""
+        self._change(1, 0)
+
+    def leave(self) -> None:
+        self._change(-1, 0)
+
+    def _task_done(self, _task: object) -> None:
+        self._change(-1, 0)
+
+    def status(self) -> str:
+        if self.phase is not Phase.RUNNING:
+            return self.phase.value
+        if self.blocked:
+            return "blocked in " + "; ".join(w.describe() for w in self.waiting)
+        return "running"
+
+    def __repr__(self) -> str:
+        return f"<RankState rank={self.rank} {self.status()}>"
+
+
+# -- tracking the tasks a rank creates ---------------------------------------------
+
+_installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _task_factory(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+) -> asyncio.Future[Any]:
+    prev = _installed[loop][1]
+    task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+    st = _rank_var.get()
+    if st is not None and st.phase is Phase.RUNNING:
+        st._change(1, 0)
+        task.add_done_callback(st._task_done)
+    return task  # type: ignore[no-any-return]
+
+
+def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
+    entry = _installed.get(loop)
+    if entry is None:
+        _installed[loop] = [1, loop.get_task_factory()]
+        loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
+    else:
+        entry[0] += 1
+
+
+def _uninstall_factory(loop: asyncio.AbstractEventLoop) -> None:
+    entry = _installed[loop]
+    entry[0] -= 1
+    if entry[0] == 0:
+        del _installed[loop]
+        if loop.get_task_factory() is _task_factory:
+            loop.set_task_factory(entry[1])
+
+
+# -- Work ----------------------------------------------------------------------------
+
+
+class Work:
+    """One rank's handle on one collective or p2p op; await it for the result.
+
+    Collectives are issued when called, so work can overlap compute::
+
+        w = comm.all_reduce(grad)      # issued now
+        loss = compute_more()          # ... while the others arrive
+        await w                        # done: grad holds the sum
+    """
+
+    __slots__ = ("_fut", "_rank", "_call", "_group", "_rdv", "_site", "_parked_on")
+
+    def __init__(self, rank: RankState, call: Any, group: Group, site: Site | None) -> None:
+        self._fut: asyncio.Future[Any] = rank.world.loop.create_future()
+        self._rank = rank
+        self._call = call
+        self._group = group
+        self._rdv: Rendezvous | None = None
+        self._site = site
+        self._parked_on: RankState | None = None
+
+    @property
+    def _where(self) -> str:
+        if self._rdv is not None:
+            return self._rdv.where
+        return f"on group {self._group.name!r}"
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        fut = self._fut
+        if not fut.done():
+            st = _rank_var.get()
+            if st is not None and st.world is self._rank.world and self._parked_on is None:
+                self._parked_on = st
+                st.waiting.append(self)
+                st._change(0, 1)
+            try:
+                yield from fut
+            except asyncio.CancelledError:
+                if not fut.done():
+                    self._rank.world._cancelled(self)
+                raise
+            finally:
+                self._unpark()
+        return fut.result()
+
+    def _unpark(self) -> None:
+        st = self._parked_on
+        if st is not None:
+            self._parked_on = None
+            st.waiting.remove(self)
+            st._change(0, -1)
+
+    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None:
+        if self._fut.done():
+            return
+        # Unpark first: a rank whose wait is satisfied is runnable from now on.
+        self._unpark()
+        if exc is None:
+            self._fut.set_result(result)
+        else:
+            self._fut.set_exception(exc)
+
+    def done(self) -> bool:
+        """Whether the op has completed (or failed)."""
+        return self._fut.done()
+
+    def is_completed(self) -> bool:
+        """Alias of ``done()``, as on torch.distributed's Work."""
+        return self._fut.done()
+
+    def result(self) -> Any:
+        """The op's result; raises its error; InvalidStateError if not done yet."""
+        return self._fut.result()
+
+    def exception(self) -> BaseException | None:
+        return self._fut.exception()
+
+    def describe(self) -> str:
+        return f"{self._call.describe()} {self._where} at {fmt_site(self._site)}"
+
+    def __repr__(self) -> str:
+        state = "done" if self._fut.done() else "pending"
+        return f"<Work rank={self._rank.rank} {self._call.describe()} {self._where} {state}>"
+
+
+# -- groups and rendezvous -----------------------------------------------------------
+
+
+class Rendezvous:
+    """The meeting of a group's ranks at one sequence number."""
+
+    __slots__ = ("group", "seq", "calls", "works", "arrived", "sig", "timer", "mismatched")
+
+    def __init__(self, group: Group, seq: int) -> None:
+        self.group = group
+        self.seq = seq
+        n = group.size
+        self.calls: list[Any] = [None] * n
+        self.works: list[Work | None] = [None] * n
+        self.arrived = 0
+        self.sig: Any = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.mismatched = False
+
+    @property
+    def where(self) -> str:
+        return f"#{self.seq} on group {self.group.name!r}"
+
+    def missing(self) -> list[int]:
+        return [r for r, w in enumerate(self.works) if w is None]
+
+    def table(self) -> str:
+        lines = []
+        for r, w in enumerate(self.works):
+            g = self.group.ranks[r]
+            who = f"rank {r}" if g == r and self.group.is_world else f"rank {r} (global {g})"
+            if w is None:
+                lines.append(f"  {who}: not arrived ({self.group.world.ranks[g].status()})")
+            else:
+                lines.append(f"  {who}: {w._call.describe()} at {fmt_site(w._site)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Rendezvous {self.where} arrived={self.arrived}/{self.group.size}>"
+
+
+class Group:
+    """A set of global ranks that run collectives together, in group-rank order."""
+
+    __slots__ = ("world", "name", "ranks", "size", "next_seq", "pending", "sends", "recvs", "_children")
+
+    def __init__(self, world: World, name: str, ranks: Sequence[int]) -> None:
+        self.world = world
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.next_seq = [0] * self.size
+        self.pending: dict[int, Rendezvous] = {}
+        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag)
+        self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, Work]]]] = {}
+        self.recvs: dict[tuple[int, int], list[Work]] = {}
+        self._children: dict[Any, Group] = {}
+
+    @property
+    def is_world(self) -> bool:
+        return self is self.world.group
+
+    def child(self, key: Any, name: str, ranks: Sequence[int]) -> Group:
+        """The sub-group made at ``key``; every member asks, the first creates it."""
+        g = self._children.get(key)
+        if g is None:
+            g = self._children[key] = Group(self.world, name, [self.ranks[r] for r in ranks])
+        return g
+
+    def __repr__(self) -> str:
+        return f"<Group {self.name!r} ranks={list(self.ranks)} pending={len(self.pending)}>"
+
+
+class World:
+    """The shared state of all ranks of one ``spawn``."""
+
+    def __init__(self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        self.size = size
+        self.loop = loop
+        self.timeout = timeout
+        self.ranks = [RankState(self, r) for r in range(size)]
+        self.group = Group(self, "world", range(size))
+        self.aborted: WorldAbortedError | None = None
+        self.in_flight = 0
+        self._n_live = 0
+        self._n_blocked = 0
+        self._p2p_counter = itertools.count()
+        self._p2p_timers: dict[Work, asyncio.TimerHandle] = {}
+        self._mismatched: list[Rendezvous] = []
+
+    # -- collectives -----------------------------------------------------------------
+
+    def join(self, group: Group, grank: int, call: Any, site: Site | None) -> Work:
+        """Deposit ``call`` for group-rank ``grank`` at its next sequence number."""
+        seq = group.next_seq[grank]
+        group.next_seq[grank] = seq + 1
+        work = Work(self.ranks[group.ranks[grank]], call, group, site)
+        if self.aborted is not None:
+            work._resolve(exc=self._aborted_error())
+            return work
+        rdv = group.pending.get(seq)
+        if rdv is None:
+            rdv = group.pending[seq] = Rendezvous(group, seq)
+            rdv.sig = call.signature()
+            if self.timeout is not None:
+                rdv.timer = self.loop.call_later(self.timeout, self._timed_out, rdv)
+        elif not rdv.mismatched and call.signature() != rdv.sig:
+            # Report once every rank has shown what it called, or as soon as the
+            # missing ones are blocked elsewhere (see _check_deadlock).
+            rdv.mismatched = True
+            self._mismatched.append(rdv)
+        work._rdv = rdv
+        rdv.calls[grank] = call
+        rdv.works[grank] = work
+        rdv.arrived += 1
+        if rdv.arrived == group.size:
+            if rdv.mismatched:
+                self._report_mismatch(rdv)
+            else:
+                self._complete(rdv)
+        return work
+
+    def _report_mismatch(self, rdv: Rendezvous) -> None:
+        self._mismatched.remove(rdv)
+        self._fail_rendezvous(
+            rdv, CollectiveMismatchError, f"ranks called different collectives {rdv.where}:\n{rdv.table()}"
+        )
+
+    def _complete(self, rdv: Rendezvous) -> None:
+        del rdv.group.pending[rdv.seq]
+        if rdv.timer is not None:
+            rdv.timer.cancel()
+        op = type(rdv.calls[0])
+        problem = op.check(rdv.calls)
+        if problem is not None:
+            self._fail_rendezvous(
+                rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}"
+            )
+            return
+        try:
+            results = op.run(rdv.calls)
+        except Exception as e:
+            # Arguments were validated before the call joined, so this is unexpected:
+            # keep the original error type for every rank, and abort the world.
+            for w in rdv.works:
+                assert w is not None
+                w._resolve(exc=e)
+            self.abort(None, e)
+            return
+        for w, res in zip(rdv.works, results, strict=True):
+            assert w is not None
+            w._resolve(res)
+
+    def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
+        rdv.group.pending.pop(rdv.seq, None)
+        if rdv.timer is not None:
+            rdv.timer.cancel()
+        first: AiocollError | None = None
+        for w in rdv.works:
+            if w is not None:
+                e = cls(message)
+                first = first or e
+                w._resolve(exc=e)
+        self.abort(None, first or cls(message))
+
+    def _timed_out(self, rdv: Rendezvous) -> None:
+        if rdv.mismatched:
+            self._report_mismatch(rdv)
+            return
+        arrived = [r for r, w in enumerate(rdv.works) if w is not None]
+        self._fail_rendezvous(
+            rdv,
+            CollectiveTimeoutError,
+            f"{type(rdv.calls[arrived[0]]).name} {rdv.where} timed out after {self.timeout}s: "
+            f"ranks {arrived} arrived, ranks {rdv.missing()} did not:\n{rdv.table()}",
+        )
+
+    # -- point to point --------------------------------------------------------------
+
+    def send(self, group: Group, src: int, call: Send, site: Site | None) -> Work:
+        work = Work(self.ranks[group.ranks[src]], call, group, site)
+        if self.aborted is not None:
+            work._resolve(exc=self._aborted_error())
+            return work
+        key = (call.dst, call.tag)
+        recvs = group.recvs.get(key)
+        if recvs:
+            for i, rw in enumerate(recvs):
+                if rw._call.src is None or rw._call.src == src:
+                    del recvs[i]
+                    self._match(group, src, work, rw)
+                    return work
+        q = group.sends.setdefault(key, {}).setdefault(src, deque())
+        q.append((next(self._p2p_counter), work))
+        self._arm_p2p_timer(work)
+        return work
+
+    def recv(self, group: Group, dst: int, call: Recv, site: Site | None) -> Work:
+        work = Work(self.ranks[group.ranks[dst]], call, group, site)
+        if self.aborted is not None:
+            work._resolve(exc=self._aborted_error())
+            return work
+        by_src = group.sends.get((dst, call.tag))
+        if by_src:
+            if call.src is not None:
+                q = by_src.get(call.src)
+                src = call.src if q else None
+            else:
+                # any source: the earliest unmatched send, whoever sent it
+                heads = [(q[0][0], s) for s, q in by_src.items() if q]
+                src = min(heads)[1] if heads else None
+            if src is not None:
+                _, sw = by_src[src].popleft()
+                self._match(group, src, sw, work)
+                return work
+        group.recvs.setdefault((dst, call.tag), []).append(work)
+        self._arm_p2p_timer(work)
+        return work
+
+    def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
+        for w in (sw, rw):
+            t = self._p2p_timers.pop(w, None)
+            if t is not None:
+                t.cancel()
+        problem = check_transfer(sw._call, rw._call)
+        if problem is not None:
+            msg = (
+                f"{problem} on group {group.name!r}:\n"
+                f"  rank {src}: {sw._call.describe()} at {fmt_site(sw._site)}\n"
+                f"  rank {sw._call.dst}: {rw._call.describe()} at {fmt_site(rw._site)}"
+            )
+            errs = [CollectiveMismatchError(msg), CollectiveMismatchError(msg)]
+            sw._resolve(exc=errs[0])
+            rw._resolve(exc=errs[1])
+            self.abort(None, errs[0])
+            return
+        try:
+            transfer(sw._call, rw._call)
+        except Exception as e:
+            sw._resolve(exc=e)
+            rw._resolve(exc=e)
+            self.abort(None, e)
+            return
+        sw._resolve(None)
+        rw._resolve(src)
+
+    def _arm_p2p_timer(self, work: Work) -> None:
+        if self.timeout is not None:
+            self._p2p_timers[work] = self.loop.call_later(self.timeout, self._p2p_timed_out, work)
+
+    def _p2p_timed_out(self, work: Work) -> None:
+        self._p2p_timers.pop(work, None)
+        if work.done():
+            return
+        err = CollectiveTimeoutError(
+            f"rank {work._rank.rank} waited {self.timeout}s in {work.describe()}; no peer matched it"
+        )
+        self._remove_p2p(work)
+        work._resolve(exc=err)
+        self.abort(None, err)
+
+    def _remove_p2p(self, work: Work) -> None:
+        for g in self._all_groups():
+            for lst in g.recvs.values():
+                if work in lst:
+                    lst.remove(work)
+            for by_src in g.sends.values():
+                for q in by_src.values():
+                    for item in q:
+                        if item[1] is work:
+                            q.remove(item)
+                            break
+
+    def _all_groups(self) -> list[Group]:
+        out, stack = [], [self.group]
+        while stack:
+            g = stack.pop()
+            out.append(g)
+            stack.extend(g._children.values())
+        return out
+
+    # -- failure -------------------------------------------------------------------
+
+    def _aborted_error(self) -> WorldAbortedError:
+        assert self.aborted is not None
+        e = WorldAbortedError(str(self.aborted), rank=self.aborted.rank)
+        e.__cause__ = self.aborted.__cause__
+        return e
+
+    def abort(self, rank: int | None, cause: BaseException) -> None:
+        """Release every waiting rank with an error and cancel the ranks still running.
+
+        ``rank`` is the rank whose failure aborts the world, if a rank's failure does.
+        """
+        if self.aborted is not None:
+            return
+        if rank is not None:
+            msg = f"rank {rank} failed with {type(cause).__name__}: {cause}"
+        else:
+            msg = f"the world was aborted by {type(cause).__name__}: {_first_line(cause)}"
+        self.aborted = WorldAbortedError(msg, rank=rank)
+        self.aborted.__cause__ = cause
+        for g in self._all_groups():
+            for rdv in list(g.pending.values()):
+                if rdv.timer is not None:
+                    rdv.timer.cancel()
+                for w in rdv.works:
+                    if w is not None:
+                        w._resolve(exc=self._aborted_error())
+            g.pending.clear()
+            for lst in g.recvs.values():
+                for w in lst:
+                    w._resolve(exc=self._aborted_error())
+            g.recvs.clear()
+            for by_src in g.sends.values():
+                for q in by_src.values():
+                    for _, w in q:
+                        w._resolve(exc=self._aborted_error())
+            g.sends.clear()
+        for t in self._p2p_timers.values():
+            t.cancel()
+        self._p2p_timers.clear()
+        # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
+        # world alive: cancel them, as a task group cancels its other tasks. Deferred by
+        # one loop turn so the ranks just released above first see their error (a
+        # cancel now would replace it) and may finish on their own.
+        self.loop.call_soon(self._cancel_running, msg)
+
+    def _cancel_running(self, msg: str) -> None:
+        for st in self.ranks:
+            if st.task is not None and not st.task.done():
+                st.task.cancel(msg)
+
+    def _cancelled(self, work: Work) -> None:
+        """A rank stopped waiting for ``work`` (cancelled): its collective cannot complete."""
+        if self.aborted is not None:
+            return
+        err = WorldAbortedError(
+            f"rank {work._rank.rank} was cancelled while waiting in {work.describe()}",
+            rank=work._rank.rank,
+        )
+        err.__cause__ = asyncio.CancelledError()
+        self.abort(work._rank.rank, err)
+
+    def _check_deadlock(self) -> None:
+        if self._n_blocked != self._n_live or self.in_flight or self.aborted is not None:
+            return
+        if self._n_live == 0:
+            return
+        if self._mismatched:
+            self._report_mismatch(self._mismatched[0])
+            return
+        message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
+        first: DeadlockError | None = None
+        for st in self.ranks:
+            for w in list(st.waiting):
+                e = DeadlockError(message)
+                first = first or e
+                w._resolve(exc=e)
+        assert first is not None
+        self.abort(None, first)
+
+    # -- reporting -----------------------------------------------------------------
+
+    def table(self) -> str:
+        """One line per rank: what it is doing or waiting for."""
+        lines = []
+        for st in self.ranks:
+            line = f"  rank {st.rank}: {st.status()}"
+            extra = self._waiting_for(st)
+            if extra:
+                line += f" -- {extra}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def _waiting_for(self, st: RankState) -> str:
+        if not st.blocked:
+            return ""
+        parts = []
+        for w in st.waiting:
+            g, call = w._group, w._call
+            if w._rdv is not None:
+                parts.append(f"waits for ranks {[g.ranks[r] for r in w._rdv.missing()]}")
+            elif isinstance(call, Recv):
+                src = "any rank" if call.src is None else f"rank {g.ranks[call.src]}"
+                parts.append(f"waits for a send from {src}")
+            elif isinstance(call, Send):
+                parts.append(f"waits for rank {g.ranks[call.dst]} to recv")
+        return "; ".join(parts)
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot: rank states, pending collectives and p2p ops."""
+        groups = self._all_groups()
+        return {
+            "size": self.size,
+            "aborted": self.aborted is not None,
+            "live_ranks": self._n_live,
+            "blocked_ranks": self._n_blocked,
+            "pending_collectives": sum(len(g.pending) for g in groups),
+            "pending_p2p": sum(len(v) for g in groups for v in g.recvs.values())
+            + sum(len(q) for g in groups for by in g.sends.values() for q in by.values()),
+            "ranks": [st.status() for st in self.ranks],
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "aborted" if s["aborted"] else "live"
+        return (
+            f"<World size={self.size} {state} live={s['live_ranks']} blocked={s['blocked_ranks']} "
+            f"pending={s['pending_collectives']}>"
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0]
+
+
+def rank_var() -> contextvars.ContextVar[RankState | None]:
+    return _rank_var
+
+
+def install_task_tracking(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Track tasks created by ranks on ``loop``; returns the undo."""
+    _install_factory(loop)
+    return lambda: _uninstall_factory(loop)

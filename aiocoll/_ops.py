@@ -1,0 +1,797 @@
+"""Op semantics: pure data movement over the calls of every rank of one collective.
+
+Each collective is a small class whose instance is one rank's call (its arguments).
+The engine collects the calls of all ranks of a group in group-rank order, checks that
+their ``signature()`` agree, then calls ``check(calls)`` (cross-rank consistency) and
+``run(calls)`` (the data movement, returning each rank's result). Nothing here knows
+about event loops, so every op can be tested by calling ``run`` directly::
+
+    >>> import torch
+    >>> a, b = torch.tensor([1.0]), torch.tensor([2.0])
+    >>> AllReduce.run([AllReduce(a, Reduction.of("sum")), AllReduce(b, Reduction.of("sum"))])
+    [None, None]
+    >>> a, b
+    (tensor([3.]), tensor([3.]))
+
+Every ``run`` reads all inputs into fresh tensors before it writes any output, so an
+output that aliases an input (in-place all_gather, reduce_scatter into a chunk of the
+input) gets the right answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ._errors import InvalidArgumentError
+
+__all__ = [
+    "OPS",
+    "Call",
+    "Reduction",
+    "reduce_tensors",
+]
+
+RedOpType = dist.ReduceOp.RedOpType
+
+_NAMES = {
+    RedOpType.SUM: "SUM",
+    RedOpType.AVG: "AVG",
+    RedOpType.PRODUCT: "PRODUCT",
+    RedOpType.MIN: "MIN",
+    RedOpType.MAX: "MAX",
+    RedOpType.BAND: "BAND",
+    RedOpType.BOR: "BOR",
+    RedOpType.BXOR: "BXOR",
+    RedOpType.PREMUL_SUM: "PREMUL_SUM",
+}
+_BY_NAME = {name: kind for kind, name in _NAMES.items()}
+_BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """A normalised reduce op: its kind and, for PREMUL_SUM, this rank's factor."""
+
+    kind: Any  # a torch.distributed.ReduceOp.RedOpType member
+    factor: float | torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, op: object) -> Reduction:
+        """Accept ``dist.ReduceOp.SUM``, ``dist.ReduceOp(...)``, a PREMUL_SUM op or ``"sum"``."""
+        if isinstance(op, Reduction):
+            return op
+        if isinstance(op, str):
+            kind = _BY_NAME.get(op.upper())
+            if kind is None or kind == RedOpType.PREMUL_SUM:
+                raise InvalidArgumentError(
+                    f"argument 'op': unknown reduce op {op!r}; expected one of "
+                    f"{', '.join(n for n in _BY_NAME if n != 'PREMUL_SUM')} or a "
+                    "torch.distributed.ReduceOp"
+                )
+            return cls(kind)
+        if isinstance(op, RedOpType):
+            if op == RedOpType.PREMUL_SUM:
+                raise InvalidArgumentError(
+                    "argument 'op': PREMUL_SUM needs a factor; build it with "
+                    "torch.distributed._make_nccl_premul_sum(factor)"
+                )
+            return cls(op)
+        if isinstance(op, dist.ReduceOp):
+            kind = op.op
+            if kind == RedOpType.PREMUL_SUM:
+                return cls(kind, op.factor)
+            return cls(kind)
+        raise InvalidArgumentError(
+            f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}"
+        )
+
+    @property
+    def name(self) -> str:
+        return _NAMES[self.kind]
+
+    def check_dtype(self, dtype: torch.dtype, arg: str) -> None:
+        """Raise InvalidArgumentError if this reduction is undefined for ``dtype``."""
+        kind = self.kind
+        if kind in _BITWISE:
+            if dtype.is_floating_point or dtype.is_complex:
+                raise InvalidArgumentError(
+                    f"argument {arg!r}: {self.name} needs an integer or bool tensor, got {dtype}"
+                )
+        elif kind in (RedOpType.AVG, RedOpType.PREMUL_SUM):
+            if not (dtype.is_floating_point or dtype.is_complex):
+                raise InvalidArgumentError(
+                    f"argument {arg!r}: {self.name} needs a floating point or complex "
+                    f"tensor, got {dtype}"
+                )
+        elif kind in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
+            raise InvalidArgumentError(
+                f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})"
+            )
+
+    def __repr__(self) -> str:
+        if self.factor is None:
+            return f"ReduceOp.{self.name}"
+        return f"ReduceOp.PREMUL_SUM({_scalar(self.factor)})"
+
+
+def _scalar(x: float | torch.Tensor) -> float | complex | bool | int:
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+@torch.no_grad()
+def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[Any] = ()) -> torch.Tensor:
+    """Reduce same-shaped tensors (one per rank, in rank order) into a new tensor.
+
+    The result has the inputs' dtype; integers wrap like they do in gloo and NCCL.
+    For bool, SUM/MAX/BOR are logical or and PRODUCT/MIN/BAND logical and.
+    ``factors`` are the per-rank PREMUL_SUM factors.
+    """
+    kind = red.kind
+    dtype = tensors[0].dtype
+    if kind in _BITWISE:
+        fn = {
+            RedOpType.BAND: torch.bitwise_and,
+            RedOpType.BOR: torch.bitwise_or,
+            RedOpType.BXOR: torch.bitwise_xor,
+        }[kind]
+        return functools.reduce(fn, tensors[1:], tensors[0].clone())
+    stacked = torch.stack(list(tensors))
+    if dtype == torch.bool:
+        if kind in (RedOpType.SUM, RedOpType.MAX):
+            return stacked.any(0)
+        if kind in (RedOpType.PRODUCT, RedOpType.MIN):
+            return stacked.all(0)
+    if kind == RedOpType.SUM:
+        return stacked.sum(0, dtype=dtype)
+    if kind == RedOpType.AVG:
+        return stacked.mean(0, dtype=dtype)
+    if kind == RedOpType.PRODUCT:
+        return stacked.prod(0, dtype=dtype)
+    if kind == RedOpType.MIN:
+        return stacked.amin(0)
+    if kind == RedOpType.MAX:
+        return stacked.amax(0)
+    if kind == RedOpType.PREMUL_SUM:
+        scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype)
+        return (stacked * scale.view(-1, *([1] * (stacked.dim() - 1)))).sum(0, dtype=dtype)
+    raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _fmt(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "None"
+    dt = str(t.dtype).removeprefix("torch.")
+    return f"{dt}{list(t.shape)}"
+
+
+def _fmt_list(ts: Sequence[torch.Tensor] | None) -> str:
+    if ts is None:
+        return "None"
+    if ts and all(t.dtype == ts[0].dtype and t.shape == ts[0].shape for t in ts):
+        return f"{len(ts)}x{_fmt(ts[0])}"
+    return "[" + ", ".join(_fmt(t) for t in ts) + "]"
+
+
+class Call(Protocol):
+    """One rank's arguments to one collective."""
+
+    name: ClassVar[str]
+
+    def signature(self) -> Hashable:
+        """What every rank of the collective must agree on."""
+        ...
+
+    def describe(self) -> str:
+        """A one-line summary of the arguments, for error messages."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this call moves; the engine uses it to pick where to run the op."""
+        ...
+
+
+C = TypeVar("C")
+
+
+def _no_check(calls: Sequence[Any]) -> str | None:
+    return None
+
+
+class _Base:
+    __slots__ = ()
+    name: ClassVar[str]
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @staticmethod
+    def check(calls: Sequence[Any]) -> str | None:
+        """Cross-rank consistency beyond the signature; returns a problem or None."""
+        return None
+
+
+@dataclass(slots=True)
+class AllReduce(_Base):
+    name: ClassVar[str] = "all_reduce"
+    tensor: torch.Tensor
+    op: Reduction
+
+    def signature(self) -> Hashable:
+        return (self.name, self.op.kind, self.tensor.dtype, _shape(self.tensor))
+
+    def describe(self) -> str:
+        return f"all_reduce({_fmt(self.tensor)}, op={self.op!r})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[AllReduce]) -> list[None]:
+        red = calls[0].op
+        res = reduce_tensors([c.tensor for c in calls], red, [c.op.factor for c in calls])
+        for c in calls:
+            c.tensor.copy_(res)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class Reduce(_Base):
+    name: ClassVar[str] = "reduce"
+    tensor: torch.Tensor
+    dst: int
+    op: Reduction
+
+    def signature(self) -> Hashable:
+        return (self.name, self.dst, self.op.kind, self.tensor.dtype, _shape(self.tensor))
+
+    def describe(self) -> str:
+        return f"reduce({_fmt(self.tensor)}, dst={self.dst}, op={self.op!r})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[Reduce]) -> list[None]:
+        dst = calls[0].dst
+        res = reduce_tensors([c.tensor for c in calls], calls[0].op, [c.op.factor for c in calls])
+        calls[dst].tensor.copy_(res)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class Broadcast(_Base):
+    name: ClassVar[str] = "broadcast"
+    tensor: torch.Tensor
+    src: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.src, self.tensor.dtype, _shape(self.tensor))
+
+    def describe(self) -> str:
+        return f"broadcast({_fmt(self.tensor)}, src={self.src})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[Broadcast]) -> list[None]:
+        src = calls[calls[0].src].tensor.clone()
+        for i, c in enumerate(calls):
+            if i != calls[0].src:
+                c.tensor.copy_(src)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class AllGather(_Base):
+    """List form; ranks may contribute tensors of different shapes (the lists say which)."""
+
+    name: ClassVar[str] = "all_gather"
+    outputs: list[torch.Tensor]
+    input: torch.Tensor
+
+    def signature(self) -> Hashable:
+        return (self.name, self.input.dtype, len(self.outputs))
+
+    def describe(self) -> str:
+        return f"all_gather({_fmt_list(self.outputs)}, {_fmt(self.input)})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes * len(self.outputs)
+
+    @staticmethod
+    def check(calls: Sequence[AllGather]) -> str | None:
+        for r, c in enumerate(calls):
+            for j, out in enumerate(c.outputs):
+                if out.shape != calls[j].input.shape:
+                    return (
+                        f"rank {r}'s tensor_list[{j}] has shape {list(out.shape)} but rank {j} "
+                        f"contributes shape {list(calls[j].input.shape)}"
+                    )
+        return None
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[AllGather]) -> list[None]:
+        inputs = [c.input.clone() for c in calls]
+        for c in calls:
+            for out, x in zip(c.outputs, inputs, strict=True):
+                out.copy_(x)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class AllGatherIntoTensor(_Base):
+    name: ClassVar[str] = "all_gather_into_tensor"
+    output: torch.Tensor
+    input: torch.Tensor
+
+    def signature(self) -> Hashable:
+        return (self.name, self.input.dtype, _shape(self.input), _shape(self.output))
+
+    def describe(self) -> str:
+        return f"all_gather_into_tensor({_fmt(self.output)}, {_fmt(self.input)})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[AllGatherIntoTensor]) -> list[None]:
+        # Concatenation along dim 0 and stacking are the same bytes in row-major order,
+        # so one stacked tensor reshaped to the output's shape serves both layouts.
+        full = torch.stack([c.input for c in calls]).reshape(calls[0].output.shape)
+        for c in calls:
+            c.output.copy_(full)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class Gather(_Base):
+    name: ClassVar[str] = "gather"
+    input: torch.Tensor
+    outputs: list[torch.Tensor] | None
+    dst: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.dst, self.input.dtype, _shape(self.input))
+
+    def describe(self) -> str:
+        return f"gather({_fmt(self.input)}, gather_list={_fmt_list(self.outputs)}, dst={self.dst})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[Gather]) -> list[None]:
+        outs = calls[calls[0].dst].outputs
+        assert outs is not None  # validated on the calling rank
+        inputs = [c.input.clone() for c in calls]
+        for out, x in zip(outs, inputs, strict=True):
+            out.copy_(x)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class Scatter(_Base):
+    name: ClassVar[str] = "scatter"
+    output: torch.Tensor
+    inputs: list[torch.Tensor] | None
+    src: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.src, self.output.dtype, _shape(self.output))
+
+    def describe(self) -> str:
+        return f"scatter({_fmt(self.output)}, scatter_list={_fmt_list(self.inputs)}, src={self.src})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[Scatter]) -> list[None]:
+        ins = calls[calls[0].src].inputs
+        assert ins is not None  # validated on the calling rank
+        chunks = [x.clone() for x in ins]
+        for c, x in zip(calls, chunks, strict=True):
+            c.output.copy_(x)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class ReduceScatter(_Base):
+    name: ClassVar[str] = "reduce_scatter"
+    output: torch.Tensor
+    inputs: list[torch.Tensor]
+    op: Reduction
+
+    def signature(self) -> Hashable:
+        return (self.name, self.op.kind, self.output.dtype, _shape(self.output))
+
+    def describe(self) -> str:
+        return f"reduce_scatter({_fmt(self.output)}, {_fmt_list(self.inputs)}, op={self.op!r})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.nbytes * len(self.inputs)
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[ReduceScatter]) -> list[None]:
+        red = calls[0].op
+        factors = [c.op.factor for c in calls]
+        results = [reduce_tensors([c.inputs[r] for c in calls], red, factors) for r in range(len(calls))]
+        for c, res in zip(calls, results, strict=True):
+            c.output.copy_(res)
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class ReduceScatterTensor(_Base):
+    name: ClassVar[str] = "reduce_scatter_tensor"
+    output: torch.Tensor
+    input: torch.Tensor
+    op: Reduction
+
+    def signature(self) -> Hashable:
+        return (self.name, self.op.kind, self.output.dtype, _shape(self.output), _shape(self.input))
+
+    def describe(self) -> str:
+        return f"reduce_scatter_tensor({_fmt(self.output)}, {_fmt(self.input)}, op={self.op!r})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[ReduceScatterTensor]) -> list[None]:
+        w = len(calls)
+        parts = [c.input.reshape(w, -1) for c in calls]
+        res = reduce_tensors(parts, calls[0].op, [c.op.factor for c in calls])
+        for r, c in enumerate(calls):
+            c.output.copy_(res[r].view(c.output.shape))
+        return [None] * w
+
+
+@dataclass(slots=True)
+class AllToAll(_Base):
+    name: ClassVar[str] = "all_to_all"
+    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+
+    def signature(self) -> Hashable:
+        return (self.name, self.inputs[0].dtype if self.inputs else None, len(self.outputs))
+
+    def describe(self) -> str:
+        return f"all_to_all({_fmt_list(self.outputs)}, {_fmt_list(self.inputs)})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.inputs)
+
+    @staticmethod
+    def check(calls: Sequence[AllToAll]) -> str | None:
+        for r, c in enumerate(calls):
+            for j, out in enumerate(c.outputs):
+                src = calls[j].inputs[r]
+                if out.shape != src.shape:
+                    return (
+                        f"rank {r}'s output_tensor_list[{j}] has shape {list(out.shape)} but "
+                        f"rank {j}'s input_tensor_list[{r}] has shape {list(src.shape)}"
+                    )
+        return None
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[AllToAll]) -> list[None]:
+        sent = [[x.clone() for x in c.inputs] for c in calls]
+        for r, c in enumerate(calls):
+            for j, out in enumerate(c.outputs):
+                out.copy_(sent[j][r])
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class AllToAllSingle(_Base):
+    name: ClassVar[str] = "all_to_all_single"
+    output: torch.Tensor
+    input: torch.Tensor
+    output_splits: list[int]
+    input_splits: list[int]
+
+    def signature(self) -> Hashable:
+        return (self.name, self.input.dtype, _shape(self.input)[1:], _shape(self.output)[1:])
+
+    def describe(self) -> str:
+        return (
+            f"all_to_all_single({_fmt(self.output)}, {_fmt(self.input)}, "
+            f"output_split_sizes={self.output_splits}, input_split_sizes={self.input_splits})"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes
+
+    @staticmethod
+    def check(calls: Sequence[AllToAllSingle]) -> str | None:
+        for r, c in enumerate(calls):
+            for j, n in enumerate(c.output_splits):
+                sent = calls[j].input_splits[r]
+                if n != sent:
+                    return (
+                        f"rank {r} expects {n} rows from rank {j} (output_split_sizes[{j}]) but "
+                        f"rank {j} sends {sent} (input_split_sizes[{r}])"
+                    )
+        return None
+
+    @staticmethod
+    @torch.no_grad()
+    def run(calls: Sequence[AllToAllSingle]) -> list[None]:
+        sent = [list(torch.split(c.input.clone(), c.input_splits)) for c in calls]
+        for r, c in enumerate(calls):
+            offset = 0
+            for j, n in enumerate(c.output_splits):
+                c.output[offset : offset + n].copy_(sent[j][r])
+                offset += n
+        return [None] * len(calls)
+
+
+@dataclass(slots=True)
+class Barrier(_Base):
+    name: ClassVar[str] = "barrier"
+
+    def signature(self) -> Hashable:
+        return self.name
+
+    def describe(self) -> str:
+        return "barrier()"
+
+    @staticmethod
+    def run(calls: Sequence[Barrier]) -> list[None]:
+        return [None] * len(calls)
+
+
+# Objects travel pickled, as in torch.distributed: every rank gets its own copy and an
+# object that would not survive a real process group fails here too.
+
+
+def dumps(obj: object, arg: str) -> bytes:
+    """Pickle ``obj`` on the calling rank, raising InvalidArgumentError if it cannot be."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"argument {arg!r}: object of type {type(obj).__name__} cannot be pickled: {e}"
+        ) from e
+
+
+@dataclass(slots=True)
+class BroadcastObject(_Base):
+    name: ClassVar[str] = "broadcast_object"
+    payload: bytes | None
+    src: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.src)
+
+    def describe(self) -> str:
+        return f"broadcast_object(src={self.src})"
+
+    @staticmethod
+    def run(calls: Sequence[BroadcastObject]) -> list[Any]:
+        payload = calls[calls[0].src].payload
+        assert payload is not None
+        return [pickle.loads(payload) for _ in calls]
+
+
+@dataclass(slots=True)
+class AllGatherObject(_Base):
+    name: ClassVar[str] = "all_gather_object"
+    payload: bytes
+
+    def signature(self) -> Hashable:
+        return self.name
+
+    def describe(self) -> str:
+        return "all_gather_object(obj)"
+
+    @staticmethod
+    def run(calls: Sequence[AllGatherObject]) -> list[Any]:
+        return [[pickle.loads(c.payload) for c in calls] for _ in calls]
+
+
+@dataclass(slots=True)
+class GatherObject(_Base):
+    name: ClassVar[str] = "gather_object"
+    payload: bytes
+    dst: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.dst)
+
+    def describe(self) -> str:
+        return f"gather_object(obj, dst={self.dst})"
+
+    @staticmethod
+    def run(calls: Sequence[GatherObject]) -> list[Any]:
+        dst = calls[0].dst
+        return [[pickle.loads(c.payload) for c in calls] if r == dst else None for r in range(len(calls))]
+
+
+@dataclass(slots=True)
+class ScatterObject(_Base):
+    name: ClassVar[str] = "scatter_object"
+    payloads: list[bytes] | None
+    src: int
+
+    def signature(self) -> Hashable:
+        return (self.name, self.src)
+
+    def describe(self) -> str:
+        n = "None" if self.payloads is None else f"{len(self.payloads)} objects"
+        return f"scatter_object({n}, src={self.src})"
+
+    @staticmethod
+    def run(calls: Sequence[ScatterObject]) -> list[Any]:
+        payloads = calls[calls[0].src].payloads
+        assert payloads is not None
+        return [pickle.loads(p) for p in payloads]
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """The outcome of new_group/split: for each group-rank, its new group or None.
+
+    ``groups[i]`` is the tuple of parent group-ranks of the new group rank i joins,
+    in their new rank order; ``None`` if rank i joins no group.
+    """
+
+    groups: tuple[tuple[int, ...] | None, ...]
+    colors: tuple[Hashable, ...]
+
+
+@dataclass(slots=True)
+class NewGroup(_Base):
+    name: ClassVar[str] = "new_group"
+    ranks: tuple[int, ...]
+
+    def signature(self) -> Hashable:
+        return (self.name, self.ranks)
+
+    def describe(self) -> str:
+        return f"new_group(ranks={list(self.ranks)})"
+
+    @staticmethod
+    def run(calls: Sequence[NewGroup]) -> list[Partition]:
+        ranks = calls[0].ranks
+        members = set(ranks)
+        part = Partition(
+            tuple(ranks if r in members else None for r in range(len(calls))),
+            tuple(0 if r in members else None for r in range(len(calls))),
+        )
+        return [part] * len(calls)
+
+
+@dataclass(slots=True)
+class Split(_Base):
+    name: ClassVar[str] = "split"
+    color: Hashable
+    key: Any
+
+    def signature(self) -> Hashable:
+        return self.name
+
+    def describe(self) -> str:
+        return f"split(color={self.color!r}, key={self.key!r})"
+
+    @staticmethod
+    def check(calls: Sequence[Split]) -> str | None:
+        keys = {type(c.key) for c in calls if c.color is not None}
+        if len(keys) > 1:
+            return "split keys must be mutually comparable, got " + ", ".join(sorted(k.__name__ for k in keys))
+        return None
+
+    @staticmethod
+    def run(calls: Sequence[Split]) -> list[Partition]:
+        by_color: dict[Hashable, list[int]] = {}
+        for r, c in enumerate(calls):
+            if c.color is not None:
+                by_color.setdefault(c.color, []).append(r)
+        members = {
+            color: tuple(sorted(rs, key=lambda r: (calls[r].key, r))) for color, rs in by_color.items()
+        }
+        part = Partition(
+            tuple(None if c.color is None else members[c.color] for c in calls),
+            tuple(c.color for c in calls),
+        )
+        return [part] * len(calls)
+
+
+@dataclass(slots=True)
+class Send(_Base):
+    name: ClassVar[str] = "send"
+    tensor: torch.Tensor
+    dst: int
+    tag: int
+
+    def describe(self) -> str:
+        return f"send({_fmt(self.tensor)}, dst={self.dst}, tag={self.tag})"
+
+    def signature(self) -> Hashable:
+        return (self.name, self.dst, self.tag)
+
+
+@dataclass(slots=True)
+class Recv(_Base):
+    name: ClassVar[str] = "recv"
+    tensor: torch.Tensor
+    src: int | None
+    tag: int
+
+    def describe(self) -> str:
+        src = "any" if self.src is None else self.src
+        return f"recv({_fmt(self.tensor)}, src={src}, tag={self.tag})"
+
+    def signature(self) -> Hashable:
+        return (self.name, self.src, self.tag)
+
+
+def check_transfer(send: Send, recv: Recv) -> str | None:
+    """Why a matched send and recv cannot transfer, or None."""
+    if send.tensor.dtype != recv.tensor.dtype or send.tensor.shape != recv.tensor.shape:
+        return f"send of {_fmt(send.tensor)} matched a recv into {_fmt(recv.tensor)}"
+    return None
+
+
+@torch.no_grad()
+def transfer(send: Send, recv: Recv) -> None:
+    """Move a matched send's data into its recv."""
+    recv.tensor.copy_(send.tensor)
+
+
+OPS: tuple[type[_Base], ...] = (
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    AllGatherIntoTensor,
+    Gather,
+    Scatter,
+    ReduceScatter,
+    ReduceScatterTensor,
+    AllToAll,
+    AllToAllSingle,
+    Barrier,
+    BroadcastObject,
+    AllGatherObject,
+    GatherObject,
+    ScatterObject,
+    NewGroup,
+    Split,
+)
