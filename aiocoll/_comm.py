@@ -33,7 +33,7 @@ class Comm:
     leaving its tensors untouched.
     """
 
-    __slots__ = ("_world", "_group", "rank", "world_size")
+    __slots__ = ("_group", "_world", "rank", "world_size")
 
     def __init__(self, world: World, group: Group, rank: int) -> None:
         self._world = world
@@ -233,9 +233,7 @@ class Comm:
         if out.dim() == 0 or x.dim() == 0:
             self._bad(name, "tensors must have at least one dimension")
         if out.shape[1:] != x.shape[1:]:
-            self._bad(
-                name, f"'output' and 'input' must agree past dim 0, got {list(out.shape)} and {list(x.shape)}"
-            )
+            self._bad(name, f"'output' and 'input' must agree past dim 0, got {list(out.shape)} and {list(x.shape)}")
         out_splits = self._splits(name, "output_split_sizes", output_split_sizes, out.shape[0])
         in_splits = self._splits(name, "input_split_sizes", input_split_sizes, x.shape[0])
         return self._join(ops.AllToAllSingle(out, x, out_splits, in_splits))

@@ -33,7 +33,7 @@ from ._errors import (
 )
 from ._ops import Recv, Send, check_transfer, transfer
 
-__all__ = ["Group", "RankState", "World", "Work", "current_rank_state"]
+__all__ = ["Group", "RankState", "Work", "World", "current_rank_state"]
 
 Site = tuple[str, int]
 
@@ -66,7 +66,7 @@ def current_rank_state() -> RankState | None:
 class RankState:
     """What the engine knows of one global rank: its tasks and what they wait for."""
 
-    __slots__ = ("rank", "world", "phase", "live", "parked", "waiting", "task", "__weakref__")
+    __slots__ = ("__weakref__", "live", "parked", "phase", "rank", "task", "waiting", "world")
 
     def __init__(self, world: World, rank: int) -> None:
         self.rank = rank
@@ -104,7 +104,7 @@ class RankState:
 
     def status(self) -> str:
         if self.phase is not Phase.RUNNING:
-            return self.phase.value
+            return self.phase.name.lower()
         if self.blocked:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
         return "running"
@@ -127,7 +127,7 @@ def _task_factory(
     if st is not None and st.phase is Phase.RUNNING:
         st._change(1, 0)
         task.add_done_callback(st._task_done)
-    return task  # type: ignore[no-any-return]
+    return task
 
 
 def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
@@ -161,7 +161,7 @@ class Work:
         await w                        # done: grad holds the sum
     """
 
-    __slots__ = ("_fut", "_rank", "_call", "_group", "_rdv", "_site", "_parked_on")
+    __slots__ = ("_call", "_fut", "_group", "_parked_on", "_rank", "_rdv", "_site")
 
     def __init__(self, rank: RankState, call: Any, group: Group, site: Site | None) -> None:
         self._fut: asyncio.Future[Any] = rank.world.loop.create_future()
@@ -242,7 +242,7 @@ class Work:
 class Rendezvous:
     """The meeting of a group's ranks at one sequence number."""
 
-    __slots__ = ("group", "seq", "calls", "works", "arrived", "sig", "timer", "mismatched")
+    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "timer", "works")
 
     def __init__(self, group: Group, seq: int) -> None:
         self.group = group
@@ -280,7 +280,7 @@ class Rendezvous:
 class Group:
     """A set of global ranks that run collectives together, in group-rank order."""
 
-    __slots__ = ("world", "name", "ranks", "size", "next_seq", "pending", "sends", "recvs", "_children")
+    __slots__ = ("_children", "name", "next_seq", "pending", "ranks", "recvs", "sends", "size", "world")
 
     def __init__(self, world: World, name: str, ranks: Sequence[int]) -> None:
         self.world = world
@@ -371,9 +371,7 @@ class World:
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
-            self._fail_rendezvous(
-                rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}"
-            )
+            self._fail_rendezvous(rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}")
             return
         try:
             results = op.run(rdv.calls)

@@ -24,7 +24,7 @@ import functools
 import pickle
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,21 +38,22 @@ __all__ = [
     "reduce_tensors",
 ]
 
+_R = dist.ReduceOp
 RedOpType = dist.ReduceOp.RedOpType
 
 _NAMES = {
-    RedOpType.SUM: "SUM",
-    RedOpType.AVG: "AVG",
-    RedOpType.PRODUCT: "PRODUCT",
-    RedOpType.MIN: "MIN",
-    RedOpType.MAX: "MAX",
-    RedOpType.BAND: "BAND",
-    RedOpType.BOR: "BOR",
-    RedOpType.BXOR: "BXOR",
-    RedOpType.PREMUL_SUM: "PREMUL_SUM",
+    _R.SUM: "SUM",
+    _R.AVG: "AVG",
+    _R.PRODUCT: "PRODUCT",
+    _R.MIN: "MIN",
+    _R.MAX: "MAX",
+    _R.BAND: "BAND",
+    _R.BOR: "BOR",
+    _R.BXOR: "BXOR",
+    _R.PREMUL_SUM: "PREMUL_SUM",
 }
 _BY_NAME = {name: kind for kind, name in _NAMES.items()}
-_BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+_BITWISE = (_R.BAND, _R.BOR, _R.BXOR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ class Reduction:
             return op
         if isinstance(op, str):
             kind = _BY_NAME.get(op.upper())
-            if kind is None or kind == RedOpType.PREMUL_SUM:
+            if kind is None or kind == _R.PREMUL_SUM:
                 raise InvalidArgumentError(
                     f"argument 'op': unknown reduce op {op!r}; expected one of "
                     f"{', '.join(n for n in _BY_NAME if n != 'PREMUL_SUM')} or a "
@@ -77,20 +78,19 @@ class Reduction:
                 )
             return cls(kind)
         if isinstance(op, RedOpType):
-            if op == RedOpType.PREMUL_SUM:
+            if op == _R.PREMUL_SUM:
                 raise InvalidArgumentError(
                     "argument 'op': PREMUL_SUM needs a factor; build it with "
                     "torch.distributed._make_nccl_premul_sum(factor)"
                 )
             return cls(op)
         if isinstance(op, dist.ReduceOp):
-            kind = op.op
-            if kind == RedOpType.PREMUL_SUM:
-                return cls(kind, op.factor)
+            # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both.
+            kind = getattr(op, "op")  # noqa: B009
+            if kind == _R.PREMUL_SUM:
+                return cls(kind, getattr(op, "factor"))  # noqa: B009
             return cls(kind)
-        raise InvalidArgumentError(
-            f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}"
-        )
+        raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
 
     @property
     def name(self) -> str:
@@ -104,16 +104,13 @@ class Reduction:
                 raise InvalidArgumentError(
                     f"argument {arg!r}: {self.name} needs an integer or bool tensor, got {dtype}"
                 )
-        elif kind in (RedOpType.AVG, RedOpType.PREMUL_SUM):
+        elif kind in (_R.AVG, _R.PREMUL_SUM):
             if not (dtype.is_floating_point or dtype.is_complex):
                 raise InvalidArgumentError(
-                    f"argument {arg!r}: {self.name} needs a floating point or complex "
-                    f"tensor, got {dtype}"
+                    f"argument {arg!r}: {self.name} needs a floating point or complex tensor, got {dtype}"
                 )
-        elif kind in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
-            raise InvalidArgumentError(
-                f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})"
-            )
+        elif kind in (_R.MIN, _R.MAX) and dtype.is_complex:
+            raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})")
 
     def __repr__(self) -> str:
         if self.factor is None:
@@ -137,28 +134,28 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
     dtype = tensors[0].dtype
     if kind in _BITWISE:
         fn = {
-            RedOpType.BAND: torch.bitwise_and,
-            RedOpType.BOR: torch.bitwise_or,
-            RedOpType.BXOR: torch.bitwise_xor,
+            _R.BAND: torch.bitwise_and,
+            _R.BOR: torch.bitwise_or,
+            _R.BXOR: torch.bitwise_xor,
         }[kind]
         return functools.reduce(fn, tensors[1:], tensors[0].clone())
     stacked = torch.stack(list(tensors))
     if dtype == torch.bool:
-        if kind in (RedOpType.SUM, RedOpType.MAX):
+        if kind in (_R.SUM, _R.MAX):
             return stacked.any(0)
-        if kind in (RedOpType.PRODUCT, RedOpType.MIN):
+        if kind in (_R.PRODUCT, _R.MIN):
             return stacked.all(0)
-    if kind == RedOpType.SUM:
+    if kind == _R.SUM:
         return stacked.sum(0, dtype=dtype)
-    if kind == RedOpType.AVG:
+    if kind == _R.AVG:
         return stacked.mean(0, dtype=dtype)
-    if kind == RedOpType.PRODUCT:
+    if kind == _R.PRODUCT:
         return stacked.prod(0, dtype=dtype)
-    if kind == RedOpType.MIN:
+    if kind == _R.MIN:
         return stacked.amin(0)
-    if kind == RedOpType.MAX:
+    if kind == _R.MAX:
         return stacked.amax(0)
-    if kind == RedOpType.PREMUL_SUM:
+    if kind == _R.PREMUL_SUM:
         scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype)
         return (stacked * scale.view(-1, *([1] * (stacked.dim() - 1)))).sum(0, dtype=dtype)
     raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
@@ -200,13 +197,6 @@ class Call(Protocol):
     def nbytes(self) -> int:
         """Bytes this call moves; the engine uses it to pick where to run the op."""
         ...
-
-
-C = TypeVar("C")
-
-
-def _no_check(calls: Sequence[Any]) -> str | None:
-    return None
 
 
 class _Base:
@@ -723,9 +713,7 @@ class Split(_Base):
         for r, c in enumerate(calls):
             if c.color is not None:
                 by_color.setdefault(c.color, []).append(r)
-        members = {
-            color: tuple(sorted(rs, key=lambda r: (calls[r].key, r))) for color, rs in by_color.items()
-        }
+        members = {color: tuple(sorted(rs, key=lambda r: (calls[r].key, r))) for color, rs in by_color.items()}
         part = Partition(
             tuple(None if c.color is None else members[c.color] for c in calls),
             tuple(c.color for c in calls),

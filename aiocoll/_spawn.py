@@ -53,8 +53,7 @@ def spawn(
         pass
     else:
         raise RuntimeError(
-            "aiocoll.spawn() was called from a running event loop; "
-            "use 'await aiocoll.spawn_async(...)' there instead"
+            "aiocoll.spawn() was called from a running event loop; use 'await aiocoll.spawn_async(...)' there instead"
         )
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
         return runner.run(spawn_async(fn, world, timeout=timeout))
@@ -80,8 +79,7 @@ async def spawn_async(
     failures: list[tuple[int, BaseException]] = []
     try:
         tasks = [
-            loop.create_task(_run_rank(w, st, fn, failures), name=f"aiocoll rank {st.rank}/{world}")
-            for st in w.ranks
+            loop.create_task(_run_rank(w, st, fn, failures), name=f"aiocoll rank {st.rank}/{world}") for st in w.ranks
         ]
         for st, t in zip(w.ranks, tasks, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
@@ -170,16 +168,15 @@ def _check(fn: object, world: object, timeout: object) -> None:
         )
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise InvalidArgumentError(f"spawn: argument 'world' must be a positive int, got {world!r}")
-    if timeout is not None and (
-        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
-    ):
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0):
         raise InvalidArgumentError(
             f"spawn: argument 'timeout' must be a positive number of seconds or None, got {timeout!r}"
         )
 
 
 def _is_async(fn: object) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    # also async callable objects, whose __call__ is the coroutine function
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _loop_factory(choice: LoopChoice) -> Callable[[], asyncio.AbstractEventLoop]:
