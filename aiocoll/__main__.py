@@ -1,0 +1,87 @@
+"""``python -m aiocoll``: a short tour of what the library does, on a world of 4 ranks."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import aiocoll
+
+
+async def _tour(comm: aiocoll.Comm) -> str:
+    r = comm.rank
+    t = torch.tensor([float(r + 1)])
+    await comm.all_reduce(t)  # 1 + 2 + 3 + 4
+    names = await comm.all_gather_object(f"rank{r}")
+    # a ring over p2p: pass our rank to the right, receive from the left
+    token = torch.tensor([r])
+    got = torch.empty(1, dtype=torch.long)
+    send = comm.send(token, (r + 1) % comm.world_size)
+    await comm.recv(got, (r - 1) % comm.world_size)
+    await send
+    # split into evens and odds, then reduce inside each half
+    half = await comm.split(color=r % 2, key=r)
+    assert half is not None
+    h = torch.tensor([r])
+    await half.all_reduce(h, op=torch.distributed.ReduceOp.MAX)
+    return (
+        f"rank {r}: all_reduce={t.item():g}  all_gather_object={names}  "
+        f"ring got {got.item()}  max in my half={h.item()}"
+    )
+
+
+async def _mismatch(comm: aiocoll.Comm) -> None:
+    t = torch.ones(2)
+    if comm.rank == 2:
+        await comm.broadcast(t, src=0)  # a bug: everyone else reduces
+    else:
+        await comm.all_reduce(t)
+
+
+async def _deadlock(comm: aiocoll.Comm) -> None:
+    if comm.rank == 3:
+        return  # a bug: rank 3 leaves before the barrier
+    await comm.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aiocoll", description=__doc__)
+    parser.add_argument("--world", type=int, default=4, help="number of ranks (default 4)")
+    args = parser.parse_args(argv)
+    w = args.world
+    print(f"aiocoll {aiocoll.__version__}: {w} async ranks on one event loop\n")
+    for line in aiocoll.spawn(_tour, world=w):
+        print("  " + line)
+
+    for title, fn in (("a mismatched collective", _mismatch), ("a rank that leaves early", _deadlock)):
+        print(f"\n{title}: reported at once, not after a timeout")
+        start = time.perf_counter()
+        try:
+            aiocoll.spawn(fn, world=w)
+        except aiocoll.AiocollError as e:
+            took = time.perf_counter() - start
+            print(f"  {type(e).__name__} after {took * 1000:.1f} ms:")
+            for line in str(e).splitlines():
+                print("    " + line)
+        else:  # pragma: no cover - the demo's bugs are deliberate
+            print("  (no error?)")
+            return 1
+
+    async def bench(comm: aiocoll.Comm) -> float:
+        t = torch.zeros(1)
+        for _ in range(100):
+            await comm.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(2000):
+            await comm.all_reduce(t)
+        return (time.perf_counter() - start) / 2000
+
+    per_op = aiocoll.spawn(bench, world=w)[0]
+    print(f"\n1-element all_reduce, world {w}: {per_op * 1e6:.1f} µs per op")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

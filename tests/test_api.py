@@ -1,0 +1,135 @@
+"""The public surface: names, reprs, Work, loop choice, object collectives, scale."""
+
+from __future__ import annotations
+
+import asyncio
+import doctest
+import importlib
+
+import pytest
+import torch
+
+import aiocoll
+from aiocoll import Comm
+
+
+def test_public_names() -> None:
+    assert set(aiocoll.__all__) == {
+        "DEFAULT_TIMEOUT",
+        "AiocollError",
+        "CollectiveMismatchError",
+        "CollectiveTimeoutError",
+        "Comm",
+        "DeadlockError",
+        "InvalidArgumentError",
+        "Work",
+        "WorldAbortedError",
+        "__version__",
+        "spawn",
+        "spawn_async",
+    }
+    for name in aiocoll.__all__:
+        assert getattr(aiocoll, name) is not None
+    assert aiocoll.__version__.count(".") >= 2
+
+
+def test_exception_hierarchy() -> None:
+    assert issubclass(aiocoll.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(aiocoll.CollectiveMismatchError, ValueError)
+    assert issubclass(aiocoll.InvalidArgumentError, ValueError)
+    for name in ("CollectiveTimeoutError", "CollectiveMismatchError", "InvalidArgumentError", "DeadlockError"):
+        assert issubclass(getattr(aiocoll, name), aiocoll.AiocollError)
+    assert issubclass(aiocoll.WorldAbortedError, aiocoll.AiocollError)
+
+
+@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn"])
+def test_doctests(module: str) -> None:
+    failures, tried = doctest.testmod(importlib.import_module(module))
+    assert tried > 0
+    assert failures == 0
+
+
+def test_loop_choice_is_honoured() -> None:
+    pytest.importorskip("uvloop")
+    import uvloop
+
+    async def fn(comm: Comm) -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert aiocoll.spawn(fn, world=2, loop="uvloop") == ["uvloop", "uvloop"]
+    assert aiocoll.spawn(fn, world=1, loop="auto") == ["uvloop"]
+    assert aiocoll.spawn(fn, world=1, loop="asyncio")[0].startswith("asyncio")
+    assert aiocoll.spawn(fn, world=1, loop=uvloop.new_event_loop) == ["uvloop"]
+
+
+def test_reprs_and_work(loop: str) -> None:
+    async def fn(comm: Comm) -> tuple[str, str, str, bool, object]:
+        t = torch.ones(2)
+        w = comm.all_reduce(t)
+        pending = repr(w)
+        before = w.done()
+        await w
+        return repr(comm), pending, repr(w), before, w.result()
+
+    res = aiocoll.spawn(fn, world=2, loop=loop)
+    c, pending, done, before, result = res[0]
+    assert c == "<Comm rank=0/2 group='world'>"
+    assert pending == "<Work rank=0 all_reduce(float32[2], op=ReduceOp.SUM) #0 on group 'world' pending>"
+    assert done.endswith("done>")
+    assert before is False  # rank 1 had not arrived yet when rank 0 issued
+    assert result is None
+    assert res[1][3] is True  # rank 1 was the last arrival: its work completed on the spot
+
+
+def test_object_collectives(loop: str) -> None:
+    async def fn(comm: Comm) -> tuple[object, ...]:
+        r = comm.rank
+        b = await comm.broadcast_object({"from": r, "list": [r]}, src=1)
+        g = await comm.all_gather_object(("rank", r))
+        ga = await comm.gather_object(r * r, dst=2)
+        s = await comm.scatter_object([f"to {i}" for i in range(comm.world_size)] if r == 0 else None, src=0)
+        return b, g, ga, s
+
+    res = aiocoll.spawn(fn, world=3, loop=loop)
+    for r, (b, g, ga, s) in enumerate(res):
+        assert b == {"from": 1, "list": [1]}
+        assert g == [("rank", 0), ("rank", 1), ("rank", 2)]
+        assert ga == ([0, 1, 4] if r == 2 else None)
+        assert s == f"to {r}"
+    # every rank got its own copy
+    assert res[0][0] is not res[2][0]
+
+
+def test_world_1024(loop: str) -> None:
+    async def fn(comm: Comm) -> list[float]:
+        t = torch.tensor([float(comm.rank)])
+        for _ in range(3):
+            await comm.all_reduce(t)
+        out = torch.empty(comm.world_size)
+        await comm.all_gather_into_tensor(out, torch.tensor([float(comm.rank)]))
+        return [t.item(), out[-1].item()]
+
+    res = aiocoll.spawn(fn, world=1024, loop=loop)
+    s = sum(range(1024))
+    assert res[0] == [float(s * 1024 * 1024), 1023.0]
+    assert all(r == res[0] for r in res)
+
+
+def test_spawn_async_in_running_loop() -> None:
+    async def fn(comm: Comm) -> int:
+        await comm.barrier()
+        return comm.rank
+
+    async def main() -> list[int]:
+        return await aiocoll.spawn_async(fn, world=3)
+
+    assert asyncio.run(main()) == [0, 1, 2]
+
+
+def test_reduce_leaves_non_destination_untouched(loop: str) -> None:
+    async def fn(comm: Comm) -> float:
+        t = torch.tensor([float(comm.rank + 1)])
+        await comm.reduce(t, dst=1, op=torch.distributed.ReduceOp.PRODUCT)
+        return t.item()
+
+    assert aiocoll.spawn(fn, world=4, loop=loop) == [1.0, 24.0, 3.0, 4.0]

@@ -1,0 +1,45 @@
+"""Examples and the demo are run, so they never rot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_there_are_examples() -> None:
+    assert any(p.name == "quickstart.py" for p in EXAMPLES)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(path: Path) -> None:
+    r = _run(str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_quickstart_output() -> None:
+    r = _run(str(ROOT / "examples" / "quickstart.py"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == [f"rank {i}: [6.0, 6.0, 6.0, 1.5, 1.5]" for i in range(4)]
+
+
+def test_demo() -> None:
+    r = _run("-m", "aiocoll", "--world", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "rank 3: all_reduce=10" in out
+    assert "CollectiveMismatchError" in out
+    assert "rank 2: broadcast(float32[2], src=0)" in out
+    assert "DeadlockError" in out
+    assert "rank 3: returned" in out
+    assert "µs per op" in out

@@ -1,0 +1,34 @@
+"""The project's own promises about its code: ruff clean, formatted, mypy strict."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is part of the [test] extra")
+def test_ruff_check() -> None:
+    r = _run("ruff", "check", "aiocoll", "tests", "examples", "benchmarks")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is part of the [test] extra")
+def test_ruff_format() -> None:
+    r = _run("ruff", "format", "--check", "aiocoll", "tests", "examples", "benchmarks")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_strict() -> None:
+    pytest.importorskip("mypy", reason="mypy is part of the [test] extra")
+    r = _run(sys.executable, "-m", "mypy")
+    assert r.returncode == 0, r.stdout + r.stderr
