@@ -1,0 +1,37 @@
+"""Smoke test of the benchmark scripts: they run and print their table. Timings are not checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH_ALLREDUCE = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_allreduce.py"
+COLUMNS = ["world", "aiocoll asyncio us", "aiocoll uvloop us", "threaded PG us", "PG/asyncio", "PG/uvloop"]
+
+
+def test_bench_allreduce_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_ALLREDUCE), "--quick", "--worlds", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    headers = [line for line in lines if line.lstrip().startswith("world")]
+    assert len(headers) == 1, proc.stdout
+    for column in COLUMNS:
+        assert column in headers[0], f"no column {column!r} in the header:\n{proc.stdout}"
+    rows = [line.split() for line in lines if line.split()[:1] == ["4"]]
+    assert len(rows) == 1, f"expected one row for world 4:\n{proc.stdout}"
+    _world, iters, aio, uv, pg, pg_aio, pg_uv = rows[0]
+    assert iters == "20/20"
+    # aiocoll on asyncio always runs; the others print "n/a" (with a note) where they cannot
+    assert float(aio.replace(",", "")) > 0, rows[0]
+    for cell in (uv, pg):
+        assert cell == "n/a" or float(cell.replace(",", "")) > 0, rows[0]
+    for cell in (pg_aio, pg_uv):
+        assert cell == "n/a" or cell.endswith("x"), rows[0]
+    assert "total time" in proc.stdout
