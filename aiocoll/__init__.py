@@ -15,6 +15,7 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._c10d import BlockingCallError, register
 from ._comm import Comm
 from ._engine import Work
 from ._errors import (
@@ -27,6 +28,8 @@ from ._errors import (
 )
 from ._spawn import DEFAULT_TIMEOUT, spawn, spawn_async
 
+register()  # the torch.distributed backend "aiocoll"
+
 try:
     __version__ = version("aiocoll")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -35,6 +38,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "DEFAULT_TIMEOUT",
     "AiocollError",
+    "BlockingCallError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Comm",

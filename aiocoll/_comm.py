@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops as ops
-from ._engine import Group, Work, World, call_site
+from ._engine import Group, Site, Work, World, call_site
 from ._errors import InvalidArgumentError
 
 __all__ = ["Comm"]
@@ -33,11 +33,14 @@ class Comm:
     leaving its tensors untouched.
     """
 
-    __slots__ = ("_group", "_world", "rank", "world_size")
+    __slots__ = ("_group", "_threaded", "_world", "rank", "world_size")
 
-    def __init__(self, world: World, group: Group, rank: int) -> None:
+    def __init__(self, world: World, group: Group, rank: int, *, threaded: bool = False) -> None:
         self._world = world
         self._group = group
+        # a rank running in its own thread posts its works to the loop, and waits on
+        # them with Work.wait()
+        self._threaded = threaded
         self.rank = rank
         """This rank's index in the group."""
         self.world_size = group.size
@@ -102,8 +105,16 @@ class Comm:
             self._bad(op, str(e))
         return r
 
+    def _site(self) -> Site:
+        # frames: call_site <- _site <- _join <- the Comm method <- the user
+        return call_site(3)
+
     def _join(self, call: Any) -> Work:
-        return self._world.join(self._group, self.rank, call, call_site(2))
+        work = Work(self._group, self.rank, call, self._site(), self._threaded)
+        if self._threaded:
+            self._world.call_soon_threadsafe(self._world.post, work)
+            return work
+        return self._world.post(work)
 
     # -- collectives -------------------------------------------------------------------
 
@@ -273,8 +284,7 @@ class Comm:
         dst = self._root("send", "dst", dst)
         if dst == self.rank:
             self._bad("send", f"argument 'dst': rank {dst} cannot send to itself")
-        call = ops.Send(t, dst, self._tag("send", tag))
-        return self._world.send(self._group, self.rank, call, call_site(1))
+        return self._join(ops.Send(t, dst, self._tag("send", tag)))
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Receive into ``tensor`` from rank ``src`` (any rank if None); awaits to the sender's rank."""
@@ -283,8 +293,7 @@ class Comm:
             src = self._root("recv", "src", src)
             if src == self.rank:
                 self._bad("recv", f"argument 'src': rank {src} cannot receive from itself")
-        call = ops.Recv(t, src, self._tag("recv", tag))
-        return self._world.recv(self._group, self.rank, call, call_site(1))
+        return self._join(ops.Recv(t, src, self._tag("recv", tag)))
 
     # -- objects -------------------------------------------------------------------------
 
@@ -351,4 +360,4 @@ class Comm:
         if members is None:
             return None
         group = self._group.child((seq, part.colors[self.rank]), name, members)
-        return Comm(self._world, group, members.index(self.rank))
+        return Comm(self._world, group, members.index(self.rank), threaded=self._threaded)

@@ -14,15 +14,19 @@ context variable), so a rank with a busy helper task is never taken for blocked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import itertools
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import CodeType
 from typing import Any
+
+import torch
 
 from ._errors import (
     AiocollError,
@@ -150,6 +154,17 @@ def _uninstall_factory(loop: asyncio.AbstractEventLoop) -> None:
 
 # -- Work ----------------------------------------------------------------------------
 
+# Guards the hand-over of torch futures between a thread asking for one and the loop
+# completing the work; taken only on that (rare) path.
+_tfut_lock = threading.Lock()
+
+
+def _complete_tfut(tf: torch.futures.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if exc is None:
+        tf.set_result(value)
+    else:
+        tf.set_exception(exc)
+
 
 class Work:
     """One rank's handle on one collective or p2p op; await it for the result.
@@ -161,16 +176,21 @@ class Work:
         await w                        # done: grad holds the sum
     """
 
-    __slots__ = ("_call", "_fut", "_group", "_parked_on", "_rank", "_rdv", "_site")
+    __slots__ = ("_call", "_event", "_fut", "_grank", "_group", "_parked_on", "_rank", "_rdv", "_site", "_tfuts")
 
-    def __init__(self, rank: RankState, call: Any, group: Group, site: Site | None) -> None:
-        self._fut: asyncio.Future[Any] = rank.world.loop.create_future()
-        self._rank = rank
-        self._call = call
+    def __init__(self, group: Group, grank: int, call: Any, site: Site | None, threaded: bool = False) -> None:
+        world = group.world
+        self._fut: asyncio.Future[Any] = world.loop.create_future()
+        self._rank = world.ranks[group.ranks[grank]]
         self._group = group
+        self._grank = grank
+        self._call = call
         self._rdv: Rendezvous | None = None
         self._site = site
         self._parked_on: RankState | None = None
+        # set for works issued from another thread, which blocks on it in wait()
+        self._event = threading.Event() if threaded else None
+        self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
 
     @property
     def _where(self) -> str:
@@ -182,10 +202,8 @@ class Work:
         fut = self._fut
         if not fut.done():
             st = _rank_var.get()
-            if st is not None and st.world is self._rank.world and self._parked_on is None:
-                self._parked_on = st
-                st.waiting.append(self)
-                st._change(0, 1)
+            if st is not None and st.world is self._rank.world:
+                st.world.park(self, st)
             try:
                 yield from fut
             except asyncio.CancelledError:
@@ -212,6 +230,54 @@ class Work:
             self._fut.set_result(result)
         else:
             self._fut.set_exception(exc)
+        if self._tfuts is not None:
+            with _tfut_lock:
+                tfuts, self._tfuts = self._tfuts, []
+            for tf, value in tfuts:
+                _complete_tfut(tf, value, exc)
+        if self._event is not None:
+            self._event.set()
+
+    # -- for threads and torch.distributed ---------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block the calling thread until done; return the result or raise the op's error.
+
+        For ranks that run in threads. On the event loop thread, ``await`` the work
+        instead: blocking there would stop the very loop that completes it.
+        """
+        world = self._rank.world
+        if not self._fut.done():
+            if world.on_loop_thread():
+                raise RuntimeError(
+                    f"blocking wait for {self._call.describe()} on the event loop thread would "
+                    "deadlock: await it instead (e.g. 'await work' or "
+                    "'await dist.all_reduce(t, async_op=True)')"
+                )
+            event = self._event
+            if event is None:  # issued on the loop, waited from a thread
+                raise RuntimeError("this work was issued on the event loop; await it there")
+            if not event.is_set():
+                world.call_soon_threadsafe(world.park, self)
+                if not event.wait(timeout):
+                    world.call_soon_threadsafe(world.unpark, self)
+                    raise CollectiveTimeoutError(
+                        f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
+                    )
+        return self._fut.result()
+
+    def torch_future(self, value: Any) -> torch.futures.Future[Any]:
+        """A torch Future completed with ``value`` (or the op's error) when this work completes."""
+        tf: torch.futures.Future[Any] = torch.futures.Future()
+        with _tfut_lock:
+            pending = not self._fut.done()
+            if pending:
+                if self._tfuts is None:
+                    self._tfuts = []
+                self._tfuts.append((tf, value))
+        if not pending:
+            _complete_tfut(tf, value, self._fut.exception())
+        return tf
 
     def done(self) -> bool:
         """Whether the op has completed (or failed)."""
@@ -315,6 +381,7 @@ class World:
     def __init__(self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         self.size = size
         self.loop = loop
+        self.loop_thread = threading.get_ident()  # worlds are made on their loop's thread
         self.timeout = timeout
         self.ranks = [RankState(self, r) for r in range(size)]
         self.group = Group(self, "world", range(size))
@@ -325,17 +392,53 @@ class World:
         self._p2p_counter = itertools.count()
         self._p2p_timers: dict[Work, asyncio.TimerHandle] = {}
         self._mismatched: list[Rendezvous] = []
+        # groups made through torch.distributed, by (name, ranks); ranks in threads
+        # create them concurrently, hence the lock
+        self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
+        self._named_lock = threading.Lock()
 
     # -- collectives -----------------------------------------------------------------
 
-    def join(self, group: Group, grank: int, call: Any, site: Site | None) -> Work:
-        """Deposit ``call`` for group-rank ``grank`` at its next sequence number."""
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self.loop_thread
+
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: Any) -> None:
+        """Schedule ``fn`` on the loop from any thread (a no-op once the loop is closed)."""
+        # a closed loop means the world is gone and nothing waits any more
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def post(self, work: Work) -> Work:
+        """Enter ``work`` into the engine: a collective, a send or a recv. Loop thread only."""
+        call = work._call
+        if isinstance(call, Send):
+            self._send(work)
+        elif isinstance(call, Recv):
+            self._recv(work)
+        else:
+            self._join(work)
+        return work
+
+    def park(self, work: Work, st: RankState | None = None) -> None:
+        """A task or thread of ``st`` (default: the work's rank) now waits for ``work``."""
+        st = st or work._rank
+        if work._fut.done() or work._parked_on is not None:
+            return
+        work._parked_on = st
+        st.waiting.append(work)
+        st._change(0, 1)
+
+    def unpark(self, work: Work) -> None:
+        work._unpark()
+
+    def _join(self, work: Work) -> None:
+        """Deposit the work's call for its group-rank at its next sequence number."""
+        group, grank, call = work._group, work._grank, work._call
         seq = group.next_seq[grank]
         group.next_seq[grank] = seq + 1
-        work = Work(self.ranks[group.ranks[grank]], call, group, site)
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
-            return work
+            return
         rdv = group.pending.get(seq)
         if rdv is None:
             rdv = group.pending[seq] = Rendezvous(group, seq)
@@ -356,7 +459,6 @@ class World:
                 self._report_mismatch(rdv)
             else:
                 self._complete(rdv)
-        return work
 
     def _report_mismatch(self, rdv: Rendezvous) -> None:
         self._mismatched.remove(rdv)
@@ -413,11 +515,11 @@ class World:
 
     # -- point to point --------------------------------------------------------------
 
-    def send(self, group: Group, src: int, call: Send, site: Site | None) -> Work:
-        work = Work(self.ranks[group.ranks[src]], call, group, site)
+    def _send(self, work: Work) -> None:
+        group, src, call = work._group, work._grank, work._call
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
-            return work
+            return
         key = (call.dst, call.tag)
         recvs = group.recvs.get(key)
         if recvs:
@@ -425,17 +527,16 @@ class World:
                 if rw._call.src is None or rw._call.src == src:
                     del recvs[i]
                     self._match(group, src, work, rw)
-                    return work
+                    return
         q = group.sends.setdefault(key, {}).setdefault(src, deque())
         q.append((next(self._p2p_counter), work))
         self._arm_p2p_timer(work)
-        return work
 
-    def recv(self, group: Group, dst: int, call: Recv, site: Site | None) -> Work:
-        work = Work(self.ranks[group.ranks[dst]], call, group, site)
+    def _recv(self, work: Work) -> None:
+        group, dst, call = work._group, work._grank, work._call
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
-            return work
+            return
         by_src = group.sends.get((dst, call.tag))
         if by_src:
             if call.src is not None:
@@ -448,10 +549,9 @@ class World:
             if src is not None:
                 _, sw = by_src[src].popleft()
                 self._match(group, src, sw, work)
-                return work
+                return
         group.recvs.setdefault((dst, call.tag), []).append(work)
         self._arm_p2p_timer(work)
-        return work
 
     def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
         for w in (sw, rw):
@@ -507,8 +607,17 @@ class World:
                             q.remove(item)
                             break
 
+    def named_group(self, name: str, ranks: Sequence[int]) -> Group:
+        """The group every rank names ``name`` over ``ranks`` (global), made on first use."""
+        key = (name, tuple(ranks))
+        with self._named_lock:
+            g = self._named.get(key)
+            if g is None:
+                g = self._named[key] = Group(self, name, key[1])
+        return g
+
     def _all_groups(self) -> list[Group]:
-        out, stack = [], [self.group]
+        out, stack = [], [self.group, *list(self._named.values())]
         while stack:
             g = stack.pop()
             out.append(g)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast, overload
 
+import torch
+import torch.distributed as dist
+
+from . import _c10d
 from ._comm import Comm
 from ._engine import Phase, RankState, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
@@ -21,18 +26,47 @@ DEFAULT_TIMEOUT = 300.0
 LoopChoice = Literal["auto", "asyncio", "uvloop"] | Callable[[], asyncio.AbstractEventLoop]
 
 
+@overload
 def spawn(
     fn: Callable[[Comm], Coroutine[Any, Any, T]],
     world: int,
     *,
+    timeout: float | None = ...,
+    loop: LoopChoice = ...,
+    torch_distributed: bool = ...,
+) -> list[T]: ...
+
+
+@overload
+def spawn(
+    fn: Callable[[Comm], T],
+    world: int,
+    *,
+    timeout: float | None = ...,
+    loop: LoopChoice = ...,
+    torch_distributed: bool = ...,
+) -> list[T]: ...
+
+
+def spawn(
+    fn: Callable[[Comm], Any],
+    world: int,
+    *,
     timeout: float | None = DEFAULT_TIMEOUT,
     loop: LoopChoice = "auto",
-) -> list[T]:
-    """Run ``async def fn(comm)`` on ``world`` ranks of a new event loop; return their results.
+    torch_distributed: bool = True,
+) -> list[Any]:
+    """Run ``fn(comm)`` on ``world`` ranks of a new event loop; return their results in rank order.
 
-    Each rank is an asyncio task; results come back in rank order. If a rank raises,
-    every other rank is released at once (``WorldAbortedError`` in a collective, else
-    cancelled) and ``spawn`` re-raises the first failure, noting its rank.
+    ``async def fn``: each rank is an asyncio task on the loop. Plain ``def fn``: each
+    rank runs in its own thread, and its collectives (``comm``'s, or torch.distributed's)
+    complete on the loop. With ``torch_distributed`` (the default), each rank has
+    torch.distributed initialised with backend "aiocoll" (default group = the world),
+    torn down afterwards.
+
+    If a rank raises, every other rank is released at once (``WorldAbortedError`` in a
+    collective; async ranks busy elsewhere are cancelled) and ``spawn`` re-raises the
+    first failure, noting its rank.
 
     ``timeout`` bounds how long a rank may wait in one collective (None: no bound).
     ``loop`` is ``"auto"`` (uvloop when installed), ``"asyncio"``, ``"uvloop"`` or a
@@ -56,15 +90,36 @@ def spawn(
             "aiocoll.spawn() was called from a running event loop; use 'await aiocoll.spawn_async(...)' there instead"
         )
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
-        return runner.run(spawn_async(fn, world, timeout=timeout))
+        return runner.run(spawn_async(fn, world, timeout=timeout, torch_distributed=torch_distributed))
 
 
+@overload
 async def spawn_async(
     fn: Callable[[Comm], Coroutine[Any, Any, T]],
     world: int,
     *,
+    timeout: float | None = ...,
+    torch_distributed: bool = ...,
+) -> list[T]: ...
+
+
+@overload
+async def spawn_async(
+    fn: Callable[[Comm], T],
+    world: int,
+    *,
+    timeout: float | None = ...,
+    torch_distributed: bool = ...,
+) -> list[T]: ...
+
+
+async def spawn_async(
+    fn: Callable[[Comm], Any],
+    world: int,
+    *,
     timeout: float | None = DEFAULT_TIMEOUT,
-) -> list[T]:
+    torch_distributed: bool = True,
+) -> list[Any]:
     """The awaitable twin of ``spawn``: runs the ranks on the running loop.
 
     For callers already inside a loop, e.g. a pytest-asyncio test::
@@ -75,54 +130,124 @@ async def spawn_async(
     _check(fn, world, timeout)
     loop = asyncio.get_running_loop()
     w = World(world, loop, timeout)
+    sessions: list[_c10d.RankSession | None] = [None] * world
+    if torch_distributed:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        sessions = [_c10d.RankSession(st, store) for st in w.ranks]
+        _c10d.install()
     undo = install_task_tracking(loop)
     failures: list[tuple[int, BaseException]] = []
     try:
-        tasks = [
-            loop.create_task(_run_rank(w, st, fn, failures), name=f"aiocoll rank {st.rank}/{world}") for st in w.ranks
-        ]
-        for st, t in zip(w.ranks, tasks, strict=True):
+        runners: list[asyncio.Future[Any]]
+        if _is_async(fn):
+            afn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], fn)
+            runners = [
+                loop.create_task(_run_rank(w, st, afn, sessions[st.rank], failures), name=f"aiocoll rank {st.rank}")
+                for st in w.ranks
+            ]
+        else:
+            sfn = cast(Callable[[Comm], Any], fn)
+            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures) for st in w.ranks]
+        for st, r in zip(w.ranks, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.
-            st.task = t
+            st.task = r if isinstance(r, asyncio.Task) else None
             st.enter()
-            t.add_done_callback(st._task_done)
+            r.add_done_callback(st._task_done)
         try:
-            await asyncio.wait(tasks)
+            await asyncio.wait(runners)
         except asyncio.CancelledError:
             # Cancelled from outside (KeyboardInterrupt, a cancel scope): take every
             # rank down with us and wait for them, so nothing outlives the call.
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks)
+            # Threads cannot be cancelled: the abort fails their next collective.
+            w.abort(None, asyncio.CancelledError("spawn was cancelled"))
+            for r in runners:
+                r.cancel()
+            await asyncio.wait(runners)
             raise
     finally:
         undo()
-    for t in tasks:
-        if not t.cancelled():
-            t.exception()  # mark retrieved: the failures are reported below, once
+        if torch_distributed:
+            for session in sessions:
+                assert session is not None
+                session.finish()
+            _c10d.uninstall()
+    for r in runners:
+        if not r.cancelled():
+            r.exception()  # mark retrieved: the failures are reported below, once
     if failures:
         raise _report(w, failures)
-    return [t.result() for t in tasks]
+    return [r.result() for r in runners]
 
 
 async def _run_rank(
     w: World,
     st: RankState,
     fn: Callable[[Comm], Coroutine[Any, Any, T]],
+    session: _c10d.RankSession | None,
     failures: list[tuple[int, BaseException]],
 ) -> T:
     rank_var().set(st)  # this task's context only; tasks it creates inherit it
     try:
+        if session is not None:
+            session.start()
         result = await fn(Comm(w, w.group, st.rank))
     except BaseException as e:
-        st.phase = Phase.FAILED
-        failures.append((st.rank, e))
-        if not _secondary(e):
-            w.abort(st.rank, e)
+        _failed(w, st, e, failures)
         raise
     st.phase = Phase.RETURNED
     return result
+
+
+def _failed(w: World, st: RankState, e: BaseException, failures: list[tuple[int, BaseException]]) -> None:
+    """On the loop: rank ``st`` ended with ``e``; a root cause aborts the world."""
+    st.phase = Phase.FAILED
+    failures.append((st.rank, e))
+    if not _secondary(e):
+        w.abort(st.rank, e)
+
+
+def _start_thread(
+    w: World,
+    st: RankState,
+    fn: Callable[[Comm], T],
+    session: _c10d.RankSession | None,
+    failures: list[tuple[int, BaseException]],
+) -> asyncio.Future[T]:
+    """Run a sync rank in its own thread; the returned future completes when it ends."""
+    fut: asyncio.Future[T] = w.loop.create_future()
+
+    def done(ok: bool, value: Any) -> None:
+        if ok:
+            st.phase = Phase.RETURNED
+            fut.set_result(value)
+        else:
+            _failed(w, st, value, failures)
+            fut.set_exception(value)
+
+    def main() -> None:
+        rank_var().set(st)
+        # as torch's threaded process group does: autograd must not hand work to its
+        # own device threads from a rank thread
+        grad_mt = torch.autograd.set_multithreading_enabled(False)
+        try:
+            if session is not None:
+                session.start()
+            try:
+                result = fn(Comm(w, w.group, st.rank, threaded=True))
+            finally:
+                if session is not None:
+                    session.finish()
+        except BaseException as e:
+            w.call_soon_threadsafe(done, False, e)
+        else:
+            w.call_soon_threadsafe(done, True, result)
+        finally:
+            grad_mt.__exit__(None, None, None)
+
+    # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
+    threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True).start()
+    return fut
 
 
 def _secondary(e: BaseException) -> bool:
@@ -161,11 +286,6 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
 def _check(fn: object, world: object, timeout: object) -> None:
     if not callable(fn):
         raise InvalidArgumentError(f"spawn: argument 'fn' must be callable, got {type(fn).__name__}")
-    if not _is_async(fn):
-        raise InvalidArgumentError(
-            f"spawn: argument 'fn' must be an 'async def fn(comm)' function, got {fn!r}; "
-            "plain functions (sync ranks in threads) are not supported yet"
-        )
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise InvalidArgumentError(f"spawn: argument 'world' must be a positive int, got {world!r}")
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0):

@@ -17,6 +17,7 @@ def test_public_names() -> None:
     assert set(aiocoll.__all__) == {
         "DEFAULT_TIMEOUT",
         "AiocollError",
+        "BlockingCallError",
         "CollectiveMismatchError",
         "CollectiveTimeoutError",
         "Comm",

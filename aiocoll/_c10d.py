@@ -1,0 +1,490 @@
+"""The torch.distributed adapter: backend ``"aiocoll"``, its ProcessGroup and Work.
+
+Every collective torch.distributed hands to an aiocoll process group becomes a call of
+the rank's ``Comm`` (same validation, same engine as async ranks). A rank running in a
+thread posts its works to the loop and blocks in ``Work.wait()``; a rank running as a
+task on the loop must use ``async_op=True`` and ``await`` the returned work.
+
+torch keeps its process-group state in module globals. To give every rank its own, the
+module's ``_world`` is replaced (while any aiocoll world uses torch.distributed) by a
+proxy that forwards to the state of the rank running now, found through a context
+variable, so it works for threads and tasks alike; code outside any rank sees torch's
+own state, untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C import _distributed_c10d as _C
+
+from ._comm import Comm
+from ._engine import RankState, Site, Work, current_rank_state
+from ._errors import AiocollError, InvalidArgumentError
+
+__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "BlockingCallError", "RankSession", "register"]
+
+BACKEND = "aiocoll"
+
+
+class BlockingCallError(AiocollError, RuntimeError):
+    """A blocking torch.distributed call was made on the event loop thread.
+
+    It would deadlock: the loop it blocks is the one that completes the collective.
+    Use ``await dist.all_reduce(t, async_op=True)`` or ``await comm.all_reduce(t)``.
+    """
+
+
+# -- per-rank torch.distributed state ------------------------------------------------
+
+
+class _RankWorld(c10d._World):
+    """torch's ``_World`` with its state held per instance (torch's keeps it in globals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pg_map_: dict[Any, Any] = {}
+        self._pg_names_: dict[Any, Any] = {}
+        self._pg_group_ranks_: dict[Any, Any] = {}
+        self._pg_backend_config_: dict[Any, Any] = {}
+        self._group_count_ = 0
+        self._tags_to_pg_: dict[Any, Any] = {}
+        self._pg_to_tag_: dict[Any, Any] = {}
+
+    @property
+    def pg_map(self) -> dict[Any, Any]:
+        return self._pg_map_
+
+    @property
+    def pg_names(self) -> dict[Any, Any]:
+        return self._pg_names_
+
+    @property
+    def pg_group_ranks(self) -> dict[Any, Any]:
+        return self._pg_group_ranks_
+
+    @property
+    def pg_backend_config(self) -> dict[Any, Any]:
+        return self._pg_backend_config_
+
+    @property
+    def group_count(self) -> int:
+        return self._group_count_
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._group_count_ = value
+
+    @property
+    def tags_to_pg(self) -> dict[Any, Any]:
+        return self._tags_to_pg_
+
+    @property
+    def pg_to_tag(self) -> dict[Any, Any]:
+        return self._pg_to_tag_
+
+
+_state_var: contextvars.ContextVar[_RankWorld | None] = contextvars.ContextVar("aiocoll_c10d_world", default=None)
+
+
+class _WorldProxy:
+    """Stands in for ``distributed_c10d._world``: the current rank's state, else torch's."""
+
+    __slots__ = ("_fallback",)
+
+    def __init__(self, fallback: Any) -> None:
+        object.__setattr__(self, "_fallback", fallback)
+
+    def _target(self) -> Any:
+        st = _state_var.get()
+        return self._fallback if st is None else st
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target(), name, value)
+
+
+_install_lock = threading.Lock()
+_installed = 0
+_saved: dict[str, Any] = {}
+
+
+def install() -> None:
+    """Swap in per-rank c10d state and the patches below; counted, undone by uninstall()."""
+    global _installed
+    with _install_lock:
+        _installed += 1
+        if _installed > 1:
+            return
+        _saved["world"] = c10d._world
+        c10d._world = _WorldProxy(c10d._world)  # type: ignore[assignment]
+        # The C++ registry of groups by name (used by functional collectives) must be
+        # per thread for ranks in threads; async ranks share the loop thread and get
+        # rank-unique names instead (see _process_group_name below).
+        _C._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+        _saved["pg_name"] = c10d._process_group_name
+        c10d._process_group_name = _process_group_name
+        from torch.distributed import device_mesh
+
+        mesh_cls = device_mesh.DeviceMesh
+        _saved["mesh_init"] = mesh_cls.__init__
+        mesh_cls.__init__ = _mesh_init(mesh_cls.__init__)  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    global _installed
+    with _install_lock:
+        _installed -= 1
+        if _installed:
+            return
+        c10d._world = _saved.pop("world")
+        _C._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
+        c10d._process_group_name = _saved.pop("pg_name")
+        from torch.distributed import device_mesh
+
+        device_mesh.DeviceMesh.__init__ = _saved.pop("mesh_init")  # type: ignore[method-assign]
+
+
+_SUFFIX = "~aiocoll"
+
+
+def _process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
+    name = _saved["pg_name"](ranks, use_hashed_name)
+    st = current_rank_state()
+    if st is not None and st.world.on_loop_thread():
+        # async ranks share one thread and so one C++ registry: make names rank-unique
+        return type(name)(f"{name}{_SUFFIX}{st.rank}")
+    return name
+
+
+def _base_name(name: str) -> str:
+    """The rank-independent part of a group name (what all ranks of the group share)."""
+    return name.split(_SUFFIX, 1)[0]
+
+
+def _mesh_init(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        st = current_rank_state()
+        if st is not None:
+            # DeviceMesh tells meshes of different ranks apart only for torch's
+            # "threaded" backend (by thread id); without it, DTensor's caches would hand
+            # one rank's mesh to another. Give each rank its own identity.
+            self._thread_id = id(st)
+
+    return wrapper
+
+
+# -- Work ------------------------------------------------------------------------------
+
+
+class AiocollWork(dist.Work):
+    """The Work of the aiocoll backend: one or more engine works (coalesced calls).
+
+    ``wait()`` blocks the calling thread (not allowed on the loop thread while pending);
+    ``await work`` waits on the loop. Errors keep their type and message.
+    """
+
+    def __init__(self, works: Sequence[Work], value: Any) -> None:
+        super().__init__()
+        self._works = list(works)
+        self._value = value
+        self._future: torch.futures.Future[Any] | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        secs = None if timeout is None or timeout == timedelta(0) else timeout.total_seconds()
+        for w in self._works:
+            w.wait(secs)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.done() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(w.exception() is None for w in self._works)
+
+    def exception(self) -> BaseException | None:
+        for w in self._works:
+            if w.done() and w.exception() is not None:
+                return w.exception()
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        if self._future is None:
+            if len(self._works) == 1:
+                self._future = self._works[0].torch_future(self._value)
+            else:
+                futs = [w.torch_future(None) for w in self._works]
+                value = self._value
+                self._future = torch.futures.collect_all(futs).then(lambda f: _all_ok(f, value))
+        return self._future
+
+    def _source_rank(self) -> int:
+        src = self._works[0].result()
+        assert isinstance(src, int)
+        return src
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        for w in self._works:
+            yield from w.__await__()
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<AiocollWork {self._works!r}>"
+
+
+def _all_ok(f: torch.futures.Future[Any], value: Any) -> Any:
+    for sub in f.value():
+        sub.value()  # raises the first error
+    return value
+
+
+# -- the process group -------------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+class _C10dComm(Comm):
+    """A Comm whose call sites are the user's frame above torch.distributed."""
+
+    __slots__ = ()
+
+    def _site(self) -> Site:
+        f = sys._getframe(2)
+        while f.f_back is not None and f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+            f = f.f_back
+        return (f.f_code.co_filename, f.f_lineno)
+
+
+def _one(op: str, tensors: Sequence[Any]) -> Any:
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{op}: the aiocoll backend takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+class AiocollProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on the aiocoll engine."""
+
+    def __init__(self, comm: Comm, name: str) -> None:
+        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
+        self._comm = comm
+        self._name = name
+        self._on_loop = not comm._threaded
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"<AiocollProcessGroup {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
+
+    def _check(self, op: str, opts: Any) -> None:
+        if self._on_loop and not getattr(opts, "asyncOp", True):
+            raise BlockingCallError(
+                f"torch.distributed.{op} on rank {self._comm.global_rank}: a blocking call on the event loop "
+                "thread would deadlock; use 'await dist."
+                f"{op}(..., async_op=True)' or 'await comm.{op}(...)'"
+            )
+
+    def _work(self, works: Sequence[Work], value: Any) -> AiocollWork:
+        return AiocollWork(works, value)
+
+    # collectives -- c10d hands group-local ranks and tensor lists
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        self._check("all_reduce", opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._work([self._comm.all_reduce(_one("all_reduce", tensors), op)], tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:
+        self._check("all_reduce_coalesced", opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._work([self._comm.all_reduce(t, op) for t in tensors], tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+        self._check("broadcast", opts)
+        return self._work([self._comm.broadcast(_one("broadcast", tensors), opts.rootRank)], tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+        self._check("reduce", opts)
+        t = _one("reduce", tensors)
+        return self._work([self._comm.reduce(t, opts.rootRank, opts.reduceOp)], tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        self._check("all_gather", opts)
+        w = self._comm.all_gather(_one("all_gather", outputs), _one("all_gather", inputs))
+        return self._work([w], outputs)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        self._check("all_gather_coalesced", opts)
+        if len(outputs) != len(inputs):
+            raise InvalidArgumentError("all_gather_coalesced: one output list per input tensor expected")
+        return self._work([self._comm.all_gather(o, i) for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+        self._check("all_gather_into_tensor", opts)
+        return self._work([self._comm.all_gather_into_tensor(output, input)], [output])
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        self._check("all_gather_into_tensor", opts)
+        works = [self._comm.all_gather_into_tensor(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(works, outputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+        self._check("gather", opts)
+        gather_list = outputs[0] if outputs else None
+        return self._work([self._comm.gather(_one("gather", inputs), gather_list, opts.rootRank)], outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> AiocollWork:  # type: ignore[override]
+        self._check("scatter", opts)
+        scatter_list = inputs[0] if inputs else None
+        return self._work([self._comm.scatter(_one("scatter", outputs), scatter_list, opts.rootRank)], outputs)
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> AiocollWork:
+        self._check("reduce_scatter", opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        w = self._comm.reduce_scatter(_one("reduce_scatter", outputs), _one("reduce_scatter", inputs), op)
+        return self._work([w], outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+        self._check("reduce_scatter_tensor", opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._work([self._comm.reduce_scatter_tensor(output, input, op)], [output])
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        self._check("reduce_scatter_tensor", opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        works = [self._comm.reduce_scatter_tensor(o, i, op) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(works, outputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:
+        self._check("all_to_all", opts)
+        return self._work([self._comm.all_to_all(outputs, inputs)], outputs)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+        opts: Any = None,
+    ) -> AiocollWork:
+        self._check("all_to_all_single", opts)
+        w = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        return self._work([w], [output])
+
+    def barrier(self, opts: Any = None) -> AiocollWork:
+        self._check("barrier", opts)
+        return self._work([self._comm.barrier()], [])
+
+    # point to point: blocking on the loop is caught in Work.wait()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiocollWork:
+        return self._work([self._comm.send(_one("send", tensors), dst, tag)], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiocollWork:
+        return self._work([self._comm.recv(_one("recv", tensors), src, tag)], tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiocollWork:
+        return self._work([self._comm.recv(_one("recv", tensors), None, tag)], tensors)
+
+
+def _create_process_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup:
+    """The creator torch.distributed calls for backend "aiocoll" (extended API)."""
+    st = current_rank_state()
+    if st is None:
+        raise AiocollError(
+            "the 'aiocoll' torch.distributed backend serves ranks started by aiocoll.spawn(); "
+            "this code runs outside any aiocoll rank"
+        )
+    world = st.world
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    group = world.named_group(_base_name(str(opts.group_id)), ranks)
+    comm = _C10dComm(world, group, int(opts.group_rank), threaded=not world.on_loop_thread())
+    return AiocollProcessGroup(comm, str(opts.group_id))
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register backend "aiocoll" with torch.distributed (done on ``import aiocoll``)."""
+    global _registered
+    if _registered or BACKEND in dist.Backend.backend_list:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu", "cuda"])
+    _registered = True
+
+
+# -- per-rank init and teardown (used by spawn) ------------------------------------------
+
+
+class RankSession:
+    """torch.distributed initialised for one rank: its own state, the default group = world."""
+
+    def __init__(self, st: RankState, store: Any) -> None:
+        self.st = st
+        self.state = _RankWorld()
+        self.store = store
+
+    def start(self) -> None:
+        """Run in the rank's own context (its thread or task)."""
+        _state_var.set(self.state)
+        dist.init_process_group(
+            BACKEND,
+            rank=self.st.rank,
+            world_size=self.st.world.size,
+            store=self.store,
+            timeout=timedelta(seconds=self.st.world.timeout or 1800.0),
+        )
+
+    def finish(self) -> None:
+        """Drop this rank's groups; idempotent, callable from any thread."""
+        state = self.state
+        for pg, name in list(state.pg_names.items()):
+            if isinstance(pg, AiocollProcessGroup):
+                _C._unregister_process_group(name)
+        for d in (
+            state.pg_map,
+            state.pg_names,
+            state.pg_group_ranks,
+            state.pg_backend_config,
+            state.tags_to_pg,
+            state.pg_to_tag,
+            state.pg_coalesce_state,
+        ):
+            d.clear()
+        state.default_pg = None
