@@ -146,7 +146,7 @@ async def spawn_async(
                 for st in w.ranks
             ]
         else:
-            sfn = cast(Callable[[Comm], Any], fn)
+            sfn = fn
             runners = [_start_thread(w, st, sfn, sessions[st.rank], failures) for st in w.ranks]
         for st, r in zip(w.ranks, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
