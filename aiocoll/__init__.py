@@ -15,11 +15,12 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._c10d import BlockingCallError, register
-from ._comm import Comm
+from ._c10d import register
+from ._comm import Comm, rank_generator
 from ._engine import Work
 from ._errors import (
     AiocollError,
+    BlockingCallError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DeadlockError,
@@ -47,6 +48,7 @@ __all__ = [
     "Work",
     "WorldAbortedError",
     "__version__",
+    "rank_generator",
     "spawn",
     "spawn_async",
 ]

@@ -30,19 +30,11 @@ from torch._C import _distributed_c10d as _C
 
 from ._comm import Comm
 from ._engine import RankState, Site, Work, current_rank_state
-from ._errors import AiocollError, InvalidArgumentError
+from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 
-__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "BlockingCallError", "RankSession", "register"]
+__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register"]
 
 BACKEND = "aiocoll"
-
-
-class BlockingCallError(AiocollError, RuntimeError):
-    """A blocking torch.distributed call was made on the event loop thread.
-
-    It would deadlock: the loop it blocks is the one that completes the collective.
-    Use ``await dist.all_reduce(t, async_op=True)`` or ``await comm.all_reduce(t)``.
-    """
 
 
 # -- per-rank torch.distributed state ------------------------------------------------
@@ -303,6 +295,15 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return f"<AiocollProcessGroup {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
 
     def _check(self, op: str, opts: Any) -> None:
+        me = current_rank_state()
+        owner = self._comm._world.ranks[self._comm.global_rank]
+        if me is not owner:
+            who = "code outside any rank" if me is None else f"rank {me.rank}"
+            raise AiocollError(
+                f"torch.distributed.{op}: the process group of rank {owner.rank} was used by {who}; each rank "
+                "must use its own groups (a default argument such as group=dist.group.WORLD evaluated "
+                "while another rank ran, e.g. at an import inside a rank, captures that rank's group)"
+            )
         if self._on_loop and not getattr(opts, "asyncOp", True):
             raise BlockingCallError(
                 f"torch.distributed.{op} on rank {self._comm.global_rank}: a blocking call on the event loop "
@@ -412,12 +413,15 @@ class AiocollProcessGroup(dist.ProcessGroup):
     # point to point: blocking on the loop is caught in Work.wait()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiocollWork:
+        self._check("send", None)
         return self._work([self._comm.send(_one("send", tensors), dst, tag)], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiocollWork:
+        self._check("recv", None)
         return self._work([self._comm.recv(_one("recv", tensors), src, tag)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiocollWork:
+        self._check("recv", None)
         return self._work([self._comm.recv(_one("recv", tensors), None, tag)], tensors)
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from . import _ops as ops
-from ._engine import Group, Site, Work, World, call_site
-from ._errors import InvalidArgumentError
+from ._engine import Group, Site, Work, World, call_site, current_rank_state
+from ._errors import AiocollError, InvalidArgumentError
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "rank_generator"]
 
 _SUM = dist.ReduceOp.SUM
 
@@ -361,3 +361,21 @@ class Comm:
             return None
         group = self._group.child((seq, part.colors[self.rank]), name, members)
         return Comm(self._world, group, members.index(self.rank), threaded=self._threaded)
+
+
+def rank_generator(seed: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
+    """A random generator of the calling rank's own, seeded from ``seed`` and the rank.
+
+    Ranks share torch's global RNG: async ranks share one thread, and the CPU generator
+    is process-wide for threads too, so ``torch.manual_seed`` in one rank moves the
+    others' random streams. Draw from a generator per rank instead::
+
+        g = aiocoll.rank_generator(seed=0)       # differs per rank, same every run
+        x = torch.randn(3, generator=g)
+    """
+    st = current_rank_state()
+    if st is None:
+        raise AiocollError("rank_generator() must be called inside an aiocoll rank")
+    g = torch.Generator(device)
+    g.manual_seed((seed * 1_048_576 + st.rank) % 2**63)
+    return g

@@ -30,6 +30,7 @@ import torch
 
 from ._errors import (
     AiocollError,
+    BlockingCallError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DeadlockError,
@@ -249,7 +250,7 @@ class Work:
         world = self._rank.world
         if not self._fut.done():
             if world.on_loop_thread():
-                raise RuntimeError(
+                raise BlockingCallError(
                     f"blocking wait for {self._call.describe()} on the event loop thread would "
                     "deadlock: await it instead (e.g. 'await work' or "
                     "'await dist.all_reduce(t, async_op=True)')"
@@ -332,7 +333,7 @@ class Rendezvous:
         lines = []
         for r, w in enumerate(self.works):
             g = self.group.ranks[r]
-            who = f"rank {r}" if g == r and self.group.is_world else f"rank {r} (global {g})"
+            who = f"rank {r}" if g == r else f"rank {r} (global {g})"
             if w is None:
                 lines.append(f"  {who}: not arrived ({self.group.world.ranks[g].status()})")
             else:

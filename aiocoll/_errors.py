@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AiocollError",
+    "BlockingCallError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DeadlockError",
@@ -54,3 +55,11 @@ class WorldAbortedError(AiocollError, RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class BlockingCallError(AiocollError, RuntimeError):
+    """A blocking wait was made on the event loop thread, where it would deadlock.
+
+    The loop it blocks is the one that completes the collective. On the loop, use
+    ``await comm.all_reduce(t)`` or ``await dist.all_reduce(t, async_op=True)``.
+    """

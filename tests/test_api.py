@@ -26,6 +26,7 @@ def test_public_names() -> None:
         "Work",
         "WorldAbortedError",
         "__version__",
+        "rank_generator",
         "spawn",
         "spawn_async",
     }
