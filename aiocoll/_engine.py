@@ -258,13 +258,15 @@ class Work:
             event = self._event
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
-            if not event.is_set():
+            if timeout is None:
                 world.call_soon_threadsafe(world.park, self)
-                if not event.wait(timeout):
-                    world.call_soon_threadsafe(world.unpark, self)
-                    raise CollectiveTimeoutError(
-                        f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
-                    )
+                event.wait()
+            elif not event.wait(timeout):
+                # A wait with a timeout is not counted as blocked: the thread will
+                # wake up and may yet make the call its peers wait for.
+                raise CollectiveTimeoutError(
+                    f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
+                )
         return self._fut.result()
 
     def torch_future(self, value: Any) -> torch.futures.Future[Any]:
@@ -733,6 +735,15 @@ class World:
             elif isinstance(call, Send):
                 parts.append(f"waits for rank {g.ranks[call.dst]} to recv")
         return "; ".join(parts)
+
+    def pending_works(self) -> list[Work]:
+        """Every work still waiting for a peer, collectives first."""
+        out: list[Work] = []
+        for g in self._all_groups():
+            out += [w for rdv in g.pending.values() for w in rdv.works if w is not None]
+            out += [w for lst in g.recvs.values() for w in lst]
+            out += [w for by in g.sends.values() for q in by.values() for _, w in q]
+        return out
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: rank states, pending collectives and p2p ops."""

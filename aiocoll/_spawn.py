@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar, cast, overload
 
@@ -177,6 +178,16 @@ async def spawn_async(
             r.exception()  # mark retrieved: the failures are reported below, once
     if failures:
         raise _report(w, failures)
+    leftovers = w.pending_works()
+    if leftovers:
+        # Every rank returned, yet these were issued and never matched: in a real
+        # job they would hang or be dropped. Say so rather than pass silently.
+        lines = "\n".join(f"  rank {x._rank.rank}: {x.describe()}" for x in leftovers)
+        warnings.warn(
+            f"aiocoll: the world ended with {len(leftovers)} operation(s) no peer ever matched:\n{lines}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return [r.result() for r in runners]
 
 
