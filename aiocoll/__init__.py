@@ -15,7 +15,7 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._c10d import register
+from ._c10d import register, settle
 from ._comm import Comm, rank_generator
 from ._engine import Work
 from ._errors import (
@@ -49,6 +49,7 @@ __all__ = [
     "WorldAbortedError",
     "__version__",
     "rank_generator",
+    "settle",
     "spawn",
     "spawn_async",
 ]

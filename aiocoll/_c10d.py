@@ -32,7 +32,7 @@ from ._comm import Comm
 from ._engine import RankState, Site, Work, current_rank_state
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 
-__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register"]
+__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register", "settle"]
 
 BACKEND = "aiocoll"
 
@@ -312,6 +312,12 @@ class AiocollProcessGroup(dist.ProcessGroup):
             )
 
     def _work(self, works: Sequence[Work], value: Any) -> AiocollWork:
+        if self._on_loop:
+            # functional collectives hide their Work from Python: keep them for settle()
+            issued = works[0]._rank.issued
+            if len(issued) > 64:
+                issued[:] = [w for w in issued if not w.done()]
+            issued.extend(works)
         return AiocollWork(works, value)
 
     # collectives -- c10d hands group-local ranks and tensor lists
@@ -438,6 +444,26 @@ def _create_process_group(opts: Any, backend_options: Any = None) -> AiocollProc
     group = world.named_group(_base_name(str(opts.group_id)), ranks)
     comm = _C10dComm(world, group, int(opts.group_rank), threaded=not world.on_loop_thread())
     return AiocollProcessGroup(comm, str(opts.group_id))
+
+
+async def settle() -> None:
+    """Await every torch.distributed operation the calling async rank has issued.
+
+    Functional collectives return tensors whose work torch keeps to itself; on the
+    loop thread, reading them before the peers have arrived would block the loop.
+    Settle first::
+
+        y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+        await aiocoll.settle()
+        print(y)                      # complete: no blocking
+    """
+    st = current_rank_state()
+    if st is None:
+        raise AiocollError("settle() must be awaited inside an aiocoll rank")
+    while st.issued:
+        works, st.issued = st.issued, []
+        for w in works:
+            await w
 
 
 _registered = False

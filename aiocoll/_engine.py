@@ -71,7 +71,7 @@ def current_rank_state() -> RankState | None:
 class RankState:
     """What the engine knows of one global rank: its tasks and what they wait for."""
 
-    __slots__ = ("__weakref__", "live", "parked", "phase", "rank", "task", "waiting", "world")
+    __slots__ = ("__weakref__", "issued", "live", "parked", "phase", "rank", "task", "waiting", "world")
 
     def __init__(self, world: World, rank: int) -> None:
         self.rank = rank
@@ -81,6 +81,8 @@ class RankState:
         self.parked = 0  # of those, how many await an unfinished Work
         self.waiting: list[Work] = []
         self.task: asyncio.Task[Any] | None = None
+        # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
+        self.issued: list[Work] = []
 
     @property
     def blocked(self) -> bool:

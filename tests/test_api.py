@@ -27,6 +27,7 @@ def test_public_names() -> None:
         "WorldAbortedError",
         "__version__",
         "rank_generator",
+        "settle",
         "spawn",
         "spawn_async",
     }

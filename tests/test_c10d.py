@@ -316,6 +316,17 @@ def test_blocking_torch_call_on_loop_thread_raises(loop: str) -> None:
         assert aiocoll.spawn(fn, world=2, loop=loop) == ["ok", "ok"]
 
 
+def test_functional_collectives_on_async_ranks(loop: str) -> None:
+    async def fn(comm: Comm) -> list[float]:
+        mesh = init_device_mesh("cpu", (comm.world_size,))
+        y = funcol.all_reduce(torch.full((2,), float(comm.rank)), "sum", mesh)
+        z = funcol.all_gather_tensor(torch.tensor([float(comm.rank)]), 0, dist.group.WORLD)
+        await aiocoll.settle()  # every rank's collectives have completed: reading them won't block
+        return y.tolist() + z.tolist()
+
+    assert aiocoll.spawn(fn, world=3, loop=loop) == [[3.0, 3.0, 0.0, 1.0, 2.0]] * 3
+
+
 # -- DeviceMesh, DTensor, functional collectives, DDP --------------------------------
 
 
@@ -368,9 +379,19 @@ def test_functional_collectives_and_autograd() -> None:
         assert grad == coeff.tolist()
 
 
-def _ddp_grads(comm: Comm, hook: Any = None) -> list[torch.Tensor]:
-    torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
+def _model() -> torch.nn.Module:
+    # Initialised from a generator of its own: the global RNG is shared by rank threads,
+    # so torch.manual_seed in each rank would race.
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def _ddp_grads(comm: Comm, hook: Any = None) -> list[torch.Tensor]:
+    model = _model()
     ddp = DistributedDataParallel(model)
     if hook is not None:
         ddp.register_comm_hook(state=None, hook=hook)
@@ -381,8 +402,7 @@ def _ddp_grads(comm: Comm, hook: Any = None) -> list[torch.Tensor]:
 
 
 def _reference_grads(world: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = _model()
     xs = []
     for r in range(world):
         g = torch.Generator().manual_seed(1 * 1_048_576 + r)  # what rank_generator(seed=1) gives rank r
