@@ -2,7 +2,7 @@
 
 Run from the repository root (with the venv that has torch and aiocoll installed)::
 
-    python benchmarks/bench_allreduce.py                      # worlds 4 16 1024, about 1-2 minutes on 2 cores
+    python benchmarks/bench_allreduce.py                      # worlds 4 16 1024, about a minute on 2 idle cores
     python benchmarks/bench_allreduce.py --worlds 4 16 --repeats 5
     python benchmarks/bench_allreduce.py --iters 500 --pg-iters 100
     python benchmarks/bench_allreduce.py --quick --worlds 4    # smoke test, a few seconds
