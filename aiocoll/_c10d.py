@@ -121,6 +121,9 @@ def install() -> None:
         if _installed > 1:
             return
         _saved["world"] = c10d._world
+        # init_process_group wraps sys.excepthook to prefix tracebacks with the rank,
+        # once per rank: put the original back when the last world ends
+        _saved["excepthook"] = sys.excepthook
         c10d._world = _WorldProxy(c10d._world)  # type: ignore[assignment]
         # The C++ registry of groups by name (used by functional collectives) must be
         # per thread for ranks in threads; async ranks share the loop thread and get
@@ -142,6 +145,7 @@ def uninstall() -> None:
         if _installed:
             return
         c10d._world = _saved.pop("world")
+        sys.excepthook = _saved.pop("excepthook")
         _C._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
         c10d._process_group_name = _saved.pop("pg_name")
         from torch.distributed import device_mesh
@@ -156,8 +160,9 @@ def _process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
     name = _saved["pg_name"](ranks, use_hashed_name)
     st = current_rank_state()
     if st is not None and st.world.on_loop_thread():
-        # async ranks share one thread and so one C++ registry: make names rank-unique
-        return type(name)(f"{name}{_SUFFIX}{st.rank}")
+        # async ranks share one thread and so one C++ registry: make names unique per
+        # rank and per world (worlds may nest or run side by side on one loop)
+        return type(name)(f"{name}{_SUFFIX}{st.world.id}.{st.rank}")
     return name
 
 

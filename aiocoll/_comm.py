@@ -97,6 +97,12 @@ class Comm:
         if shape and t.shape != ref.shape:
             self._bad(op, f"argument {arg!r} has shape {list(t.shape)} but {ref_arg!r} has {list(ref.shape)}")
 
+    def _dumps(self, op: str, arg: str, obj: object) -> bytes:
+        try:
+            return ops.dumps(obj, arg)
+        except InvalidArgumentError as e:
+            self._bad(op, str(e))
+
     def _reduction(self, op: str, red: object, dtype: torch.dtype) -> ops.Reduction:
         try:
             r = ops.Reduction.of(red)
@@ -173,7 +179,7 @@ class Comm:
             outs = self._tensors("gather", "gather_list", gather_list, self.world_size)
             for i, o in enumerate(outs):
                 self._same("gather", f"gather_list[{i}]", o, "tensor", x)
-        elif gather_list:
+        elif not _empty(gather_list):
             self._bad("gather", f"argument 'gather_list' must be None or empty on non-destination rank {self.rank}")
         return self._join(ops.Gather(x, outs, dst))
 
@@ -188,7 +194,7 @@ class Comm:
             ins = self._tensors("scatter", "scatter_list", scatter_list, self.world_size)
             for i, x in enumerate(ins):
                 self._same("scatter", f"scatter_list[{i}]", x, "tensor", out)
-        elif scatter_list:
+        elif not _empty(scatter_list):
             self._bad("scatter", f"argument 'scatter_list' must be None or empty on non-source rank {self.rank}")
         return self._join(ops.Scatter(out, ins, src))
 
@@ -251,6 +257,8 @@ class Comm:
 
     def _splits(self, op: str, arg: str, splits: Sequence[int] | None, rows: int) -> list[int]:
         w = self.world_size
+        if splits is not None and not isinstance(splits, (list, tuple, torch.Size)):
+            self._bad(op, f"argument {arg!r}: expected a list of {self.world_size} ints, got {type(splits).__name__}")
         if splits is None or len(splits) == 0:
             if rows % w:
                 self._bad(op, f"dim 0 ({rows}) is not divisible by the group size ({w}); pass {arg}")
@@ -300,17 +308,17 @@ class Comm:
     def broadcast_object(self, obj: Any, src: int) -> Work:
         """Rank ``src``'s ``obj`` on every rank (each gets its own unpickled copy)."""
         src = self._root("broadcast_object", "src", src)
-        payload = ops.dumps(obj, "obj") if self.rank == src else None
+        payload = self._dumps("broadcast_object", "obj", obj) if self.rank == src else None
         return self._join(ops.BroadcastObject(payload, src))
 
     def all_gather_object(self, obj: Any) -> Work:
         """Every rank's ``obj``, as a list indexed by rank, on every rank."""
-        return self._join(ops.AllGatherObject(ops.dumps(obj, "obj")))
+        return self._join(ops.AllGatherObject(self._dumps("all_gather_object", "obj", obj)))
 
     def gather_object(self, obj: Any, dst: int = 0) -> Work:
         """Every rank's ``obj`` as a list on rank ``dst``; None elsewhere."""
         dst = self._root("gather_object", "dst", dst)
-        return self._join(ops.GatherObject(ops.dumps(obj, "obj"), dst))
+        return self._join(ops.GatherObject(self._dumps("gather_object", "obj", obj), dst))
 
     def scatter_object(self, objs: Sequence[Any] | None, src: int = 0) -> Work:
         """``objs[i]`` of rank ``src`` to rank i."""
@@ -323,7 +331,7 @@ class Comm:
                     "scatter_object",
                     f"argument 'objs': expected a list of {self.world_size} objects on the source rank, got {n}",
                 )
-            payloads = [ops.dumps(o, f"objs[{i}]") for i, o in enumerate(objs)]
+            payloads = [self._dumps("scatter_object", f"objs[{i}]", o) for i, o in enumerate(objs)]
         return self._join(ops.ScatterObject(payloads, src))
 
     # -- sub-groups ----------------------------------------------------------------------
@@ -379,3 +387,8 @@ def rank_generator(seed: int = 0, device: str | torch.device = "cpu") -> torch.G
     g = torch.Generator(device)
     g.manual_seed((seed * 1_048_576 + st.rank) % 2**63)
     return g
+
+
+def _empty(xs: object) -> bool:
+    """None or an empty list: what a non-root rank may pass for the root's list."""
+    return xs is None or (isinstance(xs, (list, tuple)) and not xs)

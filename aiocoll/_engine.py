@@ -54,6 +54,12 @@ def fmt_site(site: Site | None) -> str:
     return "?" if site is None else f"{site[0]}:{site[1]}"
 
 
+# loop turns between releasing waiting ranks on abort and cancelling those still running
+_CANCEL_AFTER_TURNS = 4
+
+_world_ids = itertools.count()
+
+
 class Phase(enum.Enum):
     RUNNING = "running"
     RETURNED = "returned"
@@ -71,7 +77,19 @@ def current_rank_state() -> RankState | None:
 class RankState:
     """What the engine knows of one global rank: its tasks and what they wait for."""
 
-    __slots__ = ("__weakref__", "issued", "live", "parked", "phase", "rank", "task", "waiting", "world")
+    __slots__ = (
+        "__weakref__",
+        "error",
+        "helpers",
+        "issued",
+        "live",
+        "parked",
+        "phase",
+        "rank",
+        "task",
+        "waiting",
+        "world",
+    )
 
     def __init__(self, world: World, rank: int) -> None:
         self.rank = rank
@@ -81,6 +99,8 @@ class RankState:
         self.parked = 0  # of those, how many await an unfinished Work
         self.waiting: list[Work] = []
         self.task: asyncio.Task[Any] | None = None
+        self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
+        self.error: BaseException | None = None  # why the rank failed
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
 
@@ -109,7 +129,13 @@ class RankState:
     def _task_done(self, _task: object) -> None:
         self._change(-1, 0)
 
+    def _helper_done(self, task: asyncio.Future[Any]) -> None:
+        self.helpers.discard(task)
+        self._change(-1, 0)
+
     def status(self) -> str:
+        if self.phase is Phase.FAILED and self.error is not None:
+            return f"failed with {type(self.error).__name__}: {_first_line(self.error)}"
         if self.phase is not Phase.RUNNING:
             return self.phase.name.lower()
         if self.blocked:
@@ -133,7 +159,8 @@ def _task_factory(
     st = _rank_var.get()
     if st is not None and st.phase is Phase.RUNNING:
         st._change(1, 0)
-        task.add_done_callback(st._task_done)
+        st.helpers.add(task)
+        task.add_done_callback(st._helper_done)
     return task
 
 
@@ -210,7 +237,9 @@ class Work:
             try:
                 yield from fut
             except asyncio.CancelledError:
-                if not fut.done():
+                # The engine only ever sets results or errors: a cancelled future means
+                # the awaiting task was cancelled while the op was still pending.
+                if fut.cancelled():
                     self._rank.world._cancelled(self)
                 raise
             finally:
@@ -387,6 +416,7 @@ class World:
         self.size = size
         self.loop = loop
         self.loop_thread = threading.get_ident()  # worlds are made on their loop's thread
+        self.id = next(_world_ids)
         self.timeout = timeout
         self.ranks = [RankState(self, r) for r in range(size)]
         self.group = Group(self, "world", range(size))
@@ -467,8 +497,12 @@ class World:
 
     def _report_mismatch(self, rdv: Rendezvous) -> None:
         self._mismatched.remove(rdv)
+        names = {type(c).name for c in rdv.calls if c is not None}
+        what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"
         self._fail_rendezvous(
-            rdv, CollectiveMismatchError, f"ranks called different collectives {rdv.where}:\n{rdv.table()}"
+            rdv,
+            CollectiveMismatchError,
+            f"ranks called {what} as call #{rdv.seq} of group {rdv.group.name!r}:\n{rdv.table()}",
         )
 
     def _complete(self, rdv: Rendezvous) -> None:
@@ -674,12 +708,25 @@ class World:
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by
         # one loop turn so the ranks just released above first see their error (a
         # cancel now would replace it) and may finish on their own.
-        self.loop.call_soon(self._cancel_running, msg)
+        self.loop.call_soon(self._cancel_running, msg, _CANCEL_AFTER_TURNS)
 
-    def _cancel_running(self, msg: str) -> None:
+    def _cancel_running(self, msg: str, turns: int = 0) -> None:
+        if turns:
+            # An error set on a helper's work reaches the rank's own task only a few
+            # callbacks later (helper task -> gather's callback -> the awaiting task).
+            self.loop.call_soon(self._cancel_running, msg, turns - 1)
+            return
+        self.cancel_tasks(msg)
+
+    def cancel_tasks(self, msg: str) -> list[asyncio.Future[Any]]:
+        """Cancel every task of every rank still running; return them to be awaited."""
+        out: list[asyncio.Future[Any]] = []
         for st in self.ranks:
-            if st.task is not None and not st.task.done():
-                st.task.cancel(msg)
+            for t in [st.task, *st.helpers]:
+                if t is not None and not t.done():
+                    t.cancel(msg)
+                    out.append(t)
+        return out
 
     def _cancelled(self, work: Work) -> None:
         """A rank stopped waiting for ``work`` (cancelled): its collective cannot complete."""

@@ -138,6 +138,7 @@ async def spawn_async(
         _c10d.install()
     undo = install_task_tracking(loop)
     failures: list[tuple[int, BaseException]] = []
+    threads: list[threading.Thread] = []
     try:
         runners: list[asyncio.Future[Any]]
         if _is_async(fn):
@@ -148,7 +149,7 @@ async def spawn_async(
             ]
         else:
             sfn = fn
-            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures) for st in w.ranks]
+            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads) for st in w.ranks]
         for st, r in zip(w.ranks, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.
@@ -157,15 +158,20 @@ async def spawn_async(
             r.add_done_callback(st._task_done)
         try:
             await asyncio.wait(runners)
+            # tasks a rank created and left running would outlive the world
+            leftover = w.cancel_tasks("aiocoll: the world this task belongs to has ended")
+            if leftover:
+                await asyncio.wait(leftover)
         except asyncio.CancelledError:
             # Cancelled from outside (KeyboardInterrupt, a cancel scope): take every
             # rank down with us and wait for them, so nothing outlives the call.
-            # Threads cannot be cancelled: the abort fails their next collective.
+            # Threads cannot be cancelled: the abort fails their next collective, and
+            # we wait for them to return.
             w.abort(None, asyncio.CancelledError("spawn was cancelled"))
-            for r in runners:
-                r.cancel()
-            await asyncio.wait(runners)
+            await asyncio.wait([*runners, *w.cancel_tasks("spawn was cancelled")])
             raise
+        for t in threads:
+            t.join()  # each has posted its result as its last act: this is immediate
     finally:
         undo()
         if torch_distributed:
@@ -213,8 +219,9 @@ async def _run_rank(
 def _failed(w: World, st: RankState, e: BaseException, failures: list[tuple[int, BaseException]]) -> None:
     """On the loop: rank ``st`` ended with ``e``; a root cause aborts the world."""
     st.phase = Phase.FAILED
+    st.error = e
     failures.append((st.rank, e))
-    if not _secondary(e):
+    if not _secondary(w, e):
         w.abort(st.rank, e)
 
 
@@ -224,6 +231,7 @@ def _start_thread(
     fn: Callable[[Comm], T],
     session: _c10d.RankSession | None,
     failures: list[tuple[int, BaseException]],
+    threads: list[threading.Thread],
 ) -> asyncio.Future[T]:
     """Run a sync rank in its own thread; the returned future completes when it ends."""
     fut: asyncio.Future[T] = w.loop.create_future()
@@ -238,35 +246,41 @@ def _start_thread(
 
     def main() -> None:
         rank_var().set(st)
+        ok, value = False, cast(Any, None)
         # as torch's threaded process group does: autograd must not hand work to its
         # own device threads from a rank thread
-        grad_mt = torch.autograd.set_multithreading_enabled(False)
-        try:
-            if session is not None:
-                session.start()
+        with torch.autograd.set_multithreading_enabled(False):
             try:
-                result = fn(Comm(w, w.group, st.rank, threaded=True))
-            finally:
                 if session is not None:
-                    session.finish()
-        except BaseException as e:
-            w.call_soon_threadsafe(done, False, e)
-        else:
-            w.call_soon_threadsafe(done, True, result)
-        finally:
-            grad_mt.__exit__(None, None, None)
+                    session.start()
+                try:
+                    ok, value = True, fn(Comm(w, w.group, st.rank, threaded=True))
+                finally:
+                    if session is not None:
+                        session.finish()
+            except BaseException as e:
+                ok, value = False, e
+        w.call_soon_threadsafe(done, ok, value)  # the thread's last act
 
     # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
-    threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True).start()
+    thread = threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True)
+    threads.append(thread)
+    thread.start()
     return fut
 
 
-def _secondary(e: BaseException) -> bool:
-    """Whether ``e`` only reports another rank's failure (an abort or its cancellation)."""
+def _secondary(w: World, e: BaseException) -> bool:
+    """Whether ``e`` only reports another failure: an abort, or the cancellation it caused.
+
+    A rank's own error raised while handling a cancellation (e.g. TimeoutError from
+    ``asyncio.timeout``) is its own: only the top-level exception counts as a cancel.
+    """
+    if isinstance(e, asyncio.CancelledError):
+        return w.aborted is not None
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, (WorldAbortedError, asyncio.CancelledError)):
+        if isinstance(cur, WorldAbortedError):
             return True
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
@@ -275,8 +289,14 @@ def _secondary(e: BaseException) -> bool:
 
 def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseException:
     """The exception ``spawn`` raises: the first root cause, annotated with its rank."""
-    roots = [(r, e) for r, e in failures if not _secondary(e)]
+    roots = [(r, e) for r, e in failures if not _secondary(w, e)]
     if not roots:
+        # No rank raised a cause of its own (e.g. ranks waiting through gather were
+        # cancelled): the incident that aborted the world is the cause.
+        cause = w.aborted.__cause__ if w.aborted is not None else None
+        if isinstance(cause, Exception):
+            cause.add_note(f"aiocoll: ranks {sorted(r for r, _ in failures)} were aborted because of it")
+            return cause
         return failures[0][1]
     rank, exc = roots[0]
     notes = [f"aiocoll: raised on rank {rank} of a world of {w.size}"]
@@ -286,7 +306,7 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
     for r, e in roots[1:]:
         if r not in same:
             notes.append(f"aiocoll: rank {r} also failed: {type(e).__name__}: {e}")
-    aborted = sorted(r for r, e in failures if _secondary(e))
+    aborted = sorted(r for r, e in failures if _secondary(w, e))
     if aborted:
         notes.append(f"aiocoll: ranks {aborted} were aborted because of it")
     for n in notes:

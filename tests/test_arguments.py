@@ -53,13 +53,6 @@ def _premul(factor: float) -> object:
     return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
 
 
-_UNPICKLABLE_MSG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: ops.dumps raises InvalidArgumentError without the op name and rank "
-    "(\"argument 'obj': object of type ... cannot be pickled\")",
-)
-
 # (op, argument named in the message, the bad call on rank BAD of a world of 3)
 CASES: list[Any] = [
     # non-tensor and unsupported tensors
@@ -173,12 +166,6 @@ CASES: list[Any] = [
         "'gather_list'",
         lambda c, w: c.gather(_t(w, 2), _t(w, 3, 2), dst=0),
         id="gather-tensor-as-list-on-non-dst",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=RuntimeError,
-            reason="BUG: Comm.gather tests 'elif gather_list:' so a tensor passed as gather_list raises "
-            "torch's RuntimeError (Boolean value of Tensor ... is ambiguous); same in scatter",
-        ),
     ),
     pytest.param("scatter", "'scatter_list'", lambda c, w: c.scatter(_t(w, 2), None, src=BAD), id="scatter-src-none"),
     pytest.param(
@@ -268,11 +255,6 @@ CASES: list[Any] = [
         "'output_split_sizes'",
         lambda c, w: c.all_to_all_single(_t(w, 3), _t(w, 3), 3, [1, 1, 1]),
         id="splits-not-a-list",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=TypeError,
-            reason="BUG: Comm._splits calls len() on the split sizes unchecked: an int raises TypeError",
-        ),
     ),
     pytest.param(
         "all_to_all_single",
@@ -292,28 +274,18 @@ CASES: list[Any] = [
         "'obj'",
         lambda c, w: c.broadcast_object(Unpicklable(), src=BAD),
         id="broadcast_object-unpicklable",
-        marks=_UNPICKLABLE_MSG,
     ),
     pytest.param(
-        "all_gather_object",
-        "'obj'",
-        lambda c, w: c.all_gather_object(lambda: None),
-        id="all_gather_object-lambda",
-        marks=_UNPICKLABLE_MSG,
+        "all_gather_object", "'obj'", lambda c, w: c.all_gather_object(lambda: None), id="all_gather_object-lambda"
     ),
     pytest.param(
-        "gather_object",
-        "'obj'",
-        lambda c, w: c.gather_object(Unpicklable(), dst=0),
-        id="gather_object-unpicklable",
-        marks=_UNPICKLABLE_MSG,
+        "gather_object", "'obj'", lambda c, w: c.gather_object(Unpicklable(), dst=0), id="gather_object-unpicklable"
     ),
     pytest.param(
         "scatter_object",
         "'objs[2]'",
         lambda c, w: c.scatter_object([1, 2, Unpicklable()], src=BAD),
         id="scatter_object-unpicklable",
-        marks=_UNPICKLABLE_MSG,
     ),
     # sub-groups (coroutines: the error comes when awaited, still before joining)
     pytest.param("new_group", "'ranks'", lambda c, w: c.new_group([]), id="new_group-empty"),

@@ -218,13 +218,6 @@ def test_same_failure_on_every_rank_is_reported_once(loop: str) -> None:
     assert "[1, 2]" in notes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a rank's own TimeoutError (asyncio.timeout/wait_for) chains a CancelledError, so "
-    "_spawn._secondary takes it for an abort: the world is not aborted, waiters get DeadlockError "
-    "and spawn raises that DeadlockError instead of the TimeoutError",
-)
 def test_rank_failing_with_its_own_timeout_is_the_root_cause(loop: str) -> None:
     got: dict[int, BaseException] = {}
 
@@ -245,12 +238,6 @@ def test_rank_failing_with_its_own_timeout_is_the_root_cause(loop: str) -> None:
     assert got[1].rank == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: the abort's deferred cancel of running ranks hits a rank awaiting asyncio.gather(...) "
-    "of collectives before gather delivers the WorldAbortedError, so the rank sees CancelledError",
-)
 def test_rank_waiting_through_gather_gets_world_aborted(loop: str) -> None:
     got: dict[int, BaseException] = {}
 
@@ -536,9 +523,8 @@ def test_deadlock_cycle_across_sub_groups(loop: str) -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="BUG: a rank awaiting asyncio.gather(...) of Works is not counted as parked (gather wraps "
-    "each Work in a helper task), so the deadlock is missed; at the timeout spawn even raises "
-    "CancelledError instead of the CollectiveTimeoutError",
+    reason="Known limitation (README): a rank awaiting asyncio.gather(...) of Works is not counted as "
+    "parked (gather wraps each Work in a helper task), so the deadlock is only reported at the timeout",
 )
 def test_deadlock_inside_gather_is_detected(loop: str) -> None:
     async def fn(comm: Comm) -> None:
@@ -556,8 +542,8 @@ def test_deadlock_inside_gather_is_detected(loop: str) -> None:
     sys.version_info < (3, 12),
     strict=True,
     raises=AssertionError,
-    reason="BUG (Python 3.11): asyncio.wait_for wraps the Work in a task, so the waiting rank is not "
-    "counted as parked and the deadlock is only reported at the timeout",
+    reason="Known limitation on Python 3.11 (README): asyncio.wait_for wraps the Work in a task, so the "
+    "waiting rank is not counted as parked and the deadlock is only reported at the timeout",
 )
 def test_deadlock_inside_wait_for_is_detected(loop: str) -> None:
     async def fn(comm: Comm) -> None:
@@ -703,12 +689,6 @@ def test_no_timeout_when_timeout_is_none(loop: str) -> None:
     assert aiocoll.spawn(fn, world=2, loop=loop, timeout=None) == [2.0, 2.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: when a collective awaited through asyncio.gather times out, the rank's main task is "
-    "cancelled before gather delivers the error, and spawn raises CancelledError",
-)
 def test_timeout_inside_gather_is_reported_as_timeout(loop: str) -> None:
     async def fn(comm: Comm) -> None:
         if comm.rank == 1:

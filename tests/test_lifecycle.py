@@ -185,14 +185,6 @@ def test_spawn_leaves_no_threads_and_restores_torch_distributed(loop: str) -> No
     assert not dist.is_initialized()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: with torch_distributed=True (the default) every rank's init_process_group wraps "
-    "sys.excepthook with a '[rankN]: ' prefix and spawn never restores it: after spawn(world=2) every "
-    "uncaught traceback of the process prints with '[rank1]: [rank0]: ' on each line, and it grows "
-    "with every spawn",
-)
 def test_spawn_restores_sys_excepthook(loop: str) -> None:
     hook = sys.excepthook
     try:
@@ -285,13 +277,6 @@ def test_cancelling_spawn_async_cancels_every_rank(loop: str, how: str) -> None:
         assert isinstance(e, asyncio.CancelledError), f"rank {r} got {e!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: Work.__await__ only reports a cancelled wait 'if not fut.done()', but cancelling "
-    "the task cancels that very future first, so the world is never aborted: the others wait "
-    "until the collective timeout and the cancelled rank still counts as arrived",
-)
 def test_rank_cancelled_in_collective_aborts_the_others(loop: str) -> None:
     got: dict[int, BaseException] = {}
 
@@ -364,13 +349,6 @@ TORCH_DISTRIBUTED = [
     pytest.param(
         True,
         id="torch_distributed",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=(RuntimeError, AssertionError),
-            reason="BUG (since e01ebde, torch_distributed=True by default): two worlds alive at once in "
-            "one loop register the same process group name: 'RuntimeError: A process group is already "
-            "registered under the name0~aiocoll0'",
-        ),
     ),
 ]
 
@@ -531,12 +509,6 @@ def test_two_worlds_interleave_collectives(loop: str, td: bool) -> None:
 # -- known leaks -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: after an abort only the ranks' main tasks are cancelled; tasks a rank created "
-    "(tracked by the task factory) outlive spawn_async",
-)
 def test_no_helper_task_outlives_a_failed_spawn_async(loop: str) -> None:
     async def fn(comm: Comm) -> None:
         async def helper() -> None:
@@ -560,12 +532,6 @@ def test_no_helper_task_outlives_a_failed_spawn_async(loop: str) -> None:
     _run(loop, main)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: spawn with plain 'def fn' ranks (threads) returns without joining the rank threads, "
-    "so threading.active_count() is often still higher right after it returns",
-)
 def test_sync_ranks_leave_no_threads() -> None:
     def fn(comm: Comm) -> float:
         t = torch.ones(1)
