@@ -54,6 +54,24 @@ _NAMES = {
 }
 _BY_NAME = {name: kind for kind, name in _NAMES.items()}
 _BITWISE = (_R.BAND, _R.BOR, _R.BXOR)
+# The dtypes torch can reduce on CPU; it has no sum/prod/min/max kernels for uint16/32/64,
+# complex32 or the float8s, so reducing those would fail inside the op, after every rank joined.
+_REDUCIBLE = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +117,8 @@ class Reduction:
     def check_dtype(self, dtype: torch.dtype, arg: str) -> None:
         """Raise InvalidArgumentError if this reduction is undefined for ``dtype``."""
         kind = self.kind
+        if dtype not in _REDUCIBLE:
+            raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not supported for {dtype} tensors")
         if kind in _BITWISE:
             if dtype.is_floating_point or dtype.is_complex:
                 raise InvalidArgumentError(
@@ -702,9 +722,18 @@ class Split(_Base):
 
     @staticmethod
     def check(calls: Sequence[Split]) -> str | None:
-        keys = {type(c.key) for c in calls if c.color is not None}
-        if len(keys) > 1:
-            return "split keys must be mutually comparable, got " + ", ".join(sorted(k.__name__ for k in keys))
+        # Try the very sort ``run`` does, per color: keys of different types may compare
+        # (int and float), and keys of one type may not (complex).
+        by_color: dict[Hashable, list[int]] = {}
+        for r, c in enumerate(calls):
+            if c.color is not None:
+                by_color.setdefault(c.color, []).append(r)
+        for rs in by_color.values():
+            try:
+                sorted(rs, key=lambda r: (calls[r].key, r))
+            except TypeError:
+                names = sorted({type(calls[r].key).__name__ for r in rs})
+                return "split keys must be mutually comparable, got " + ", ".join(names)
         return None
 
     @staticmethod
