@@ -169,6 +169,7 @@ async def spawn_async(
             # we wait for them to return.
             w.abort(None, asyncio.CancelledError("spawn was cancelled"))
             await asyncio.wait([*runners, *w.cancel_tasks("spawn was cancelled")])
+            _retrieve(runners)
             raise
         for t in threads:
             t.join()  # each has posted its result as its last act: this is immediate
@@ -179,9 +180,7 @@ async def spawn_async(
                 assert session is not None
                 session.finish()
             _c10d.uninstall()
-    for r in runners:
-        if not r.cancelled():
-            r.exception()  # mark retrieved: the failures are reported below, once
+    _retrieve(runners)
     if failures:
         raise _report(w, failures)
     leftovers = w.pending_works()
@@ -214,6 +213,13 @@ async def _run_rank(
         raise
     st.phase = Phase.RETURNED
     return result
+
+
+def _retrieve(runners: list[asyncio.Future[Any]]) -> None:
+    """Mark the ranks' exceptions retrieved: spawn reports them, once, its own way."""
+    for r in runners:
+        if r.done() and not r.cancelled():
+            r.exception()
 
 
 def _failed(w: World, st: RankState, e: BaseException, failures: list[tuple[int, BaseException]]) -> None:
