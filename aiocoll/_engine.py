@@ -206,7 +206,19 @@ class Work:
         await w                        # done: grad holds the sum
     """
 
-    __slots__ = ("_call", "_event", "_fut", "_grank", "_group", "_parked_on", "_rank", "_rdv", "_site", "_tfuts")
+    __slots__ = (
+        "_call",
+        "_event",
+        "_fut",
+        "_grank",
+        "_group",
+        "_parked_on",
+        "_rank",
+        "_rdv",
+        "_seq",
+        "_site",
+        "_tfuts",
+    )
 
     def __init__(self, group: Group, grank: int, call: Any, site: Site | None, threaded: bool = False) -> None:
         world = group.world
@@ -215,7 +227,8 @@ class Work:
         self._group = group
         self._grank = grank
         self._call = call
-        self._rdv: Rendezvous | None = None
+        self._rdv: Rendezvous | None = None  # while pending: whom it waits for
+        self._seq: int | None = None  # its place in the group's collectives
         self._site = site
         self._parked_on: RankState | None = None
         # set for works issued from another thread, which blocks on it in wait()
@@ -224,8 +237,8 @@ class Work:
 
     @property
     def _where(self) -> str:
-        if self._rdv is not None:
-            return self._rdv.where
+        if self._seq is not None:
+            return f"#{self._seq} on group {self._group.name!r}"
         return f"on group {self._group.name!r}"
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -469,7 +482,7 @@ class World:
     def _join(self, work: Work) -> None:
         """Deposit the work's call for its group-rank at its next sequence number."""
         group, grank, call = work._group, work._grank, work._call
-        seq = group.next_seq[grank]
+        seq = work._seq = group.next_seq[grank]
         group.next_seq[grank] = seq + 1
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
@@ -527,6 +540,7 @@ class World:
         for w, res in zip(rdv.works, results, strict=True):
             assert w is not None
             w._resolve(res)
+            w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)

@@ -84,6 +84,9 @@ class Reduction:
     @classmethod
     def of(cls, op: object) -> Reduction:
         """Accept ``dist.ReduceOp.SUM``, ``dist.ReduceOp(...)``, a PREMUL_SUM op or ``"sum"``."""
+        plain = _PLAIN.get(id(op))  # the common case, without torch's slow enum comparisons
+        if plain is not None:
+            return plain
         if isinstance(op, Reduction):
             return op
         if isinstance(op, str):
@@ -116,6 +119,13 @@ class Reduction:
 
     def check_dtype(self, dtype: torch.dtype, arg: str) -> None:
         """Raise InvalidArgumentError if this reduction is undefined for ``dtype``."""
+        key = (id(self.kind), dtype)
+        if key in _DTYPE_OK:
+            return
+        self._check_dtype(dtype, arg)
+        _DTYPE_OK.add(key)
+
+    def _check_dtype(self, dtype: torch.dtype, arg: str) -> None:
         kind = self.kind
         if dtype not in _REDUCIBLE:
             raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not supported for {dtype} tensors")
@@ -138,20 +148,27 @@ class Reduction:
         return f"ReduceOp.PREMUL_SUM({_scalar(self.factor)})"
 
 
+# RedOpType members are singletons: look them up by identity, as comparing them with
+# == costs about a microsecond each
+_PLAIN = {id(k): Reduction(k) for k in _NAMES if k is not _R.PREMUL_SUM}
+_DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
+
+
 def _scalar(x: float | torch.Tensor) -> float | complex | bool | int:
     return x.item() if isinstance(x, torch.Tensor) else x
 
 
-@torch.no_grad()
 def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[Any] = ()) -> torch.Tensor:
     """Reduce same-shaped tensors (one per rank, in rank order) into a new tensor.
 
     The result has the inputs' dtype; integers wrap like they do in gloo and NCCL.
     For bool, SUM/MAX/BOR are logical or and PRODUCT/MIN/BAND logical and.
-    ``factors`` are the per-rank PREMUL_SUM factors.
+    ``factors`` are the per-rank PREMUL_SUM factors. The ops call it under no_grad.
     """
     kind = red.kind
     dtype = tensors[0].dtype
+    if kind is _R.SUM and dtype is not torch.bool:  # the common case first
+        return torch.stack(list(tensors)).sum(0, dtype=dtype)
     if kind in _BITWISE:
         fn = {
             _R.BAND: torch.bitwise_and,
