@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +16,18 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is part of the [test] extra")
+needs_ruff = pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is part of the [test] extra")
+
+
+@needs_ruff
 def test_ruff_check() -> None:
-    r = _run("ruff", "check", "aiocoll", "tests", "examples", "benchmarks")
+    r = _run(sys.executable, "-m", "ruff", "check", "aiocoll", "tests", "examples", "benchmarks")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is part of the [test] extra")
+@needs_ruff
 def test_ruff_format() -> None:
-    r = _run("ruff", "format", "--check", "aiocoll", "tests", "examples", "benchmarks")
+    r = _run(sys.executable, "-m", "ruff", "format", "--check", "aiocoll", "tests", "examples", "benchmarks")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
