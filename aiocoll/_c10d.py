@@ -348,20 +348,27 @@ class AiocollProcessGroup(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         self._check("all_gather", opts)
-        w = self._comm.all_gather(_one("all_gather", outputs), _one("all_gather", inputs))
-        return self._work([w], outputs)
+        outs = _one("all_gather", outputs)
+        w = self._comm.all_gather(outs, _one("all_gather", inputs))
+        return self._work([w], outs)  # the future's value, as gloo's: the flat list
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
         self._check("all_gather_coalesced", opts)
-        if len(outputs) != len(inputs):
-            raise InvalidArgumentError("all_gather_coalesced: one output list per input tensor expected")
-        return self._work([self._comm.all_gather(o, i) for o, i in zip(outputs, inputs, strict=True)], outputs)
+        # outputs[rank][i] receives input i of that rank
+        if len(outputs) != self._comm.world_size or any(len(o) != len(inputs) for o in outputs):
+            raise InvalidArgumentError(
+                f"all_gather_coalesced on rank {self._comm.rank}: 'output_tensor_lists' must hold one list per "
+                f"rank ({self._comm.world_size}), each with one tensor per input ({len(inputs)})"
+            )
+        works = [self._comm.all_gather([o[i] for o in outputs], x) for i, x in enumerate(inputs)]
+        return self._work(works, outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
         self._check("all_gather_into_tensor", opts)
-        return self._work([self._comm.all_gather_into_tensor(output, input)], [output])
+        w = self._comm.all_gather_into_tensor(output, input)
+        return self._work([w], list(output.chunk(self._comm.world_size)))  # gloo's future value
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -373,7 +380,8 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("gather", opts)
         gather_list = outputs[0] if outputs else None
-        return self._work([self._comm.gather(_one("gather", inputs), gather_list, opts.rootRank)], outputs)
+        w = self._comm.gather(_one("gather", inputs), gather_list, opts.rootRank)
+        return self._work([w], gather_list if gather_list is not None else [])
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("scatter", opts)

@@ -87,26 +87,7 @@ TABLE: dict[str, Entry] = {}
 TOLERANT = frozenset({"all_reduce/SUM/float32/inexact"})
 """Entries compared with a tight tolerance instead of exactly (see the module docstring)."""
 
-_LAYOUT = (
-    "aiocoll reads all_gather_coalesced's output_tensor_lists as one list per input tensor; torch and gloo "
-    "take one list per rank (outs[rank][input])"
-)
-XFAIL: dict[str, str] = {
-    "all_gather_coalesced": _LAYOUT + ", so 2 inputs on 4 ranks raise InvalidArgumentError",
-    "all_gather_coalesced/as_many_inputs_as_ranks": _LAYOUT + "; with as many inputs as ranks it silently transposes",
-    "async/all_gather/future": (
-        "get_future().value() of all_gather is [output_tensor_list] (a list of lists) on aiocoll, "
-        "the flat list of output tensors on gloo"
-    ),
-    "async/gather/future": (
-        "get_future().value() of gather is [gather_list] (a list of lists) on aiocoll, "
-        "the flat list of gathered tensors on gloo"
-    ),
-    "async/all_gather_single/future": (
-        "get_future().value() of all_gather_single is [output] on aiocoll, the list of the output's "
-        "per-rank chunks on gloo"
-    ),
-}
+XFAIL: dict[str, str] = {}
 """Entries where aiocoll differs from gloo: name -> the reason (strict xfail)."""
 
 
