@@ -283,6 +283,11 @@ def _secondary(w: World, e: BaseException) -> bool:
     """
     if isinstance(e, asyncio.CancelledError):
         return w.aborted is not None
+    return echoes_abort(e)
+
+
+def echoes_abort(e: BaseException) -> bool:
+    """Whether ``e`` is a ``WorldAbortedError`` or was raised while handling one."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:

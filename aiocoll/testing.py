@@ -73,8 +73,8 @@ import torch.distributed as dist
 
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._engine import Phase, RankState, Work, World, current_rank_state, rank_var
-from ._errors import InvalidArgumentError, WorldAbortedError
-from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report
+from ._errors import InvalidArgumentError
+from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort
 
 __all__ = ["ThreadedPGReplacement", "replace_threaded_pg"]
 
@@ -318,7 +318,7 @@ def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
             entries.append(q.get_nowait())
         except queue.Empty:
             break
-    roots = [(rank, info) for rank, info in entries if not _echoes_abort(info[1])]
+    roots = [(rank, info) for rank, info in entries if not echoes_abort(info[1])]
     if not roots:
         roots = entries
     elif run.failures:
@@ -330,15 +330,3 @@ def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
         if key not in seen:
             seen.add(key)
             q.put((rank, info))
-
-
-def _echoes_abort(e: BaseException) -> bool:
-    """Whether ``e`` only reports the abort: a ``WorldAbortedError``, or raised while handling one."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, WorldAbortedError):
-            return True
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return False
