@@ -54,6 +54,9 @@ def fmt_site(site: Site | None) -> str:
     return "?" if site is None else f"{site[0]}:{site[1]}"
 
 
+# seconds a rank thread waits before it reports itself blocked (for deadlock detection)
+_PARK_AFTER = 0.002
+
 # loop turns between releasing waiting ranks on abort and cancelling those still running
 _CANCEL_AFTER_TURNS = 4
 
@@ -303,8 +306,11 @@ class Work:
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
             if timeout is None:
-                world.call_soon_threadsafe(world.park, self)
-                event.wait()
+                # Tell the loop this thread is blocked only if the wait is not short: most
+                # complete within microseconds, and a message per wait costs a loop wake-up.
+                if not event.wait(_PARK_AFTER):
+                    world.call_soon_threadsafe(world.park, self)
+                    event.wait()
             elif not event.wait(timeout):
                 # A wait with a timeout is not counted as blocked: the thread will
                 # wake up and may yet make the call its peers wait for.

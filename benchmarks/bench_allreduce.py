@@ -11,6 +11,9 @@ What it measures, for each world size W:
 
 * ``aiocoll asyncio`` / ``aiocoll uvloop``: ``aiocoll.spawn(fn, world=W, loop=...)`` with W async ranks on
   one event loop, each running ``await comm.all_reduce(t)`` on a 1-element float32 tensor.
+* ``aiocoll sync``: the torch.distributed adapter, ``aiocoll.spawn(fn, world=W)`` with a plain ``def fn``: one
+  thread per rank calling ``dist.all_reduce(t)`` on backend "aiocoll", completed on aiocoll's loop. Being
+  threads like the threaded PG, it runs the threaded PG's (smaller) iteration counts.
 * ``threaded PG``: torch's test-only threaded process group
   (``torch.testing._internal.distributed.multi_threaded_pg``), the way torch's own tests use it: one OS thread
   per rank, each calling ``dist.init_process_group("threaded", rank=r, world_size=W, store=HashStore)`` and then
@@ -71,8 +74,9 @@ C10D_GLOBALS = ("_backend", "_default_pg_init_method")
 
 AIOCOLL = "aiocoll asyncio"
 UVLOOP = "aiocoll uvloop"
+SYNC = "aiocoll sync"
 THREADED = "threaded PG"
-BACKENDS = (AIOCOLL, UVLOOP, THREADED)
+BACKENDS = (AIOCOLL, UVLOOP, SYNC, THREADED)
 
 
 class Unavailable(Exception):
@@ -115,6 +119,28 @@ def measure_aiocoll(world: int, warmup: int, iters: int, loop: Literal["asyncio"
         return elapsed if comm.rank == 0 else None
 
     elapsed = aiocoll.spawn(rank_fn, world=world, loop=loop)[0]
+    assert elapsed is not None
+    return elapsed / iters
+
+
+def measure_sync_adapter(world: int, warmup: int, iters: int) -> float:
+    """Seconds per ``dist.all_reduce`` through aiocoll's torch.distributed adapter (ranks in threads)."""
+
+    def rank_fn(comm: aiocoll.Comm) -> float | None:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if t.item() != world:
+            raise AssertionError(f"rank {dist.get_rank()}: all_reduce gave {t.item()}, expected {world}")
+        t.zero_()
+        for _ in range(warmup):
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        elapsed = time.perf_counter() - start
+        return elapsed if dist.get_rank() == 0 else None
+
+    elapsed = aiocoll.spawn(rank_fn, world=world)[0]
     assert elapsed is not None
     return elapsed / iters
 
@@ -226,9 +252,10 @@ def run_world(world: int, aio_iters: int, pg_iters: int, repeats: int) -> dict[s
     measure: dict[str, Callable[[], float]] = {
         AIOCOLL: lambda: measure_aiocoll(world, warmup_for(aio_iters), aio_iters, "asyncio"),
         UVLOOP: lambda: measure_aiocoll(world, warmup_for(aio_iters), aio_iters, "uvloop"),
+        SYNC: lambda: measure_sync_adapter(world, warmup_for(pg_iters), pg_iters),
         THREADED: lambda: measure_threaded_pg(world, warmup_for(pg_iters), pg_iters),
     }
-    results = {name: Result(pg_iters if name == THREADED else aio_iters) for name in BACKENDS}
+    results = {name: Result(pg_iters if name in (SYNC, THREADED) else aio_iters) for name in BACKENDS}
     if not have_uvloop:
         results[UVLOOP].error = "uvloop is not installed (pip install 'aiocoll[uvloop]')"
     for _ in range(repeats):
@@ -262,9 +289,11 @@ COLUMNS = (
     ("iters aio/pg", 13),
     (f"{AIOCOLL} us", 19),
     (f"{UVLOOP} us", 18),
+    (f"{SYNC} us", 16),
     (f"{THREADED} us", 15),
     ("PG/asyncio", 11),
     ("PG/uvloop", 10),
+    ("PG/sync", 8),
 )
 
 
@@ -273,16 +302,18 @@ def table_row(cells: Sequence[str]) -> str:
 
 
 def format_row(world: int, results: dict[str, Result]) -> str:
-    aio, uv, pg = (results[name].median_us for name in BACKENDS)
+    aio, uv, sync, pg = (results[name].median_us for name in BACKENDS)
     return table_row(
         [
             str(world),
             f"{results[AIOCOLL].iters}/{results[THREADED].iters}",
             fmt_us(aio),
             fmt_us(uv),
+            fmt_us(sync),
             fmt_us(pg),
             fmt_ratio(pg, aio),
             fmt_ratio(pg, uv),
+            fmt_ratio(pg, sync),
         ]
     )
 

@@ -7,7 +7,16 @@ import sys
 from pathlib import Path
 
 BENCH_ALLREDUCE = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_allreduce.py"
-COLUMNS = ["world", "aiocoll asyncio us", "aiocoll uvloop us", "threaded PG us", "PG/asyncio", "PG/uvloop"]
+COLUMNS = [
+    "world",
+    "aiocoll asyncio us",
+    "aiocoll uvloop us",
+    "aiocoll sync us",
+    "threaded PG us",
+    "PG/asyncio",
+    "PG/uvloop",
+    "PG/sync",
+]
 
 
 def test_bench_allreduce_quick() -> None:
@@ -26,12 +35,13 @@ def test_bench_allreduce_quick() -> None:
         assert column in headers[0], f"no column {column!r} in the header:\n{proc.stdout}"
     rows = [line.split() for line in lines if line.split()[:1] == ["4"]]
     assert len(rows) == 1, f"expected one row for world 4:\n{proc.stdout}"
-    _world, iters, aio, uv, pg, pg_aio, pg_uv = rows[0]
+    _world, iters, aio, uv, sync, pg, pg_aio, pg_uv, pg_sync = rows[0]
     assert iters == "20/20"
-    # aiocoll on asyncio always runs; the others print "n/a" (with a note) where they cannot
+    # aiocoll (asyncio, sync adapter) always runs; the others print "n/a" (with a note) where they cannot
     assert float(aio.replace(",", "")) > 0, rows[0]
+    assert float(sync.replace(",", "")) > 0, rows[0]
     for cell in (uv, pg):
         assert cell == "n/a" or float(cell.replace(",", "")) > 0, rows[0]
-    for cell in (pg_aio, pg_uv):
+    for cell in (pg_aio, pg_uv, pg_sync):
         assert cell == "n/a" or cell.endswith("x"), rows[0]
     assert "total time" in proc.stdout
