@@ -1,9 +1,18 @@
-"""``python -m aiocoll``: a short tour of what the library does, on a world of 4 ranks."""
+"""``python -m aiocoll``: a short tour of what the library does, on a world of 4 ranks.
+
+First a live view of the ranks training in lockstep (each line is what a rank is doing
+right now: computing, or blocked in a collective waiting for the slower ones), then a
+tour of the collectives, then two deliberate bugs reported at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import sys
 import time
+from typing import Any
 
 import torch
 
@@ -46,12 +55,76 @@ async def _deadlock(comm: aiocoll.Comm) -> None:
     await comm.barrier()
 
 
+STEPS = 8
+
+
+def _view(stats: dict[str, Any], steps: list[int]) -> list[str]:
+    """One line per rank: its step and what it is doing."""
+    lines = []
+    for r in stats["ranks"]:
+        bar = "#" * steps[r["rank"]] + "." * (STEPS - steps[r["rank"]])
+        if r["state"] == "blocked":
+            doing = f"waiting in {', '.join(r['waiting'])} for ranks {r['waits_for']}"
+        elif r["state"] == "running":
+            doing = "computing"
+        else:
+            doing = r["state"]
+        lines.append(f"  rank {r['rank']} [{bar}] {doing}")
+    return lines
+
+
+async def _live(world: int, tty: bool) -> None:
+    """Ranks of different speeds train in lockstep while a monitor shows each one's state."""
+    steps = [0] * world
+    comms: list[aiocoll.Comm] = []
+
+    async def train(comm: aiocoll.Comm) -> None:
+        comms.append(comm)
+        grad = torch.ones(4)
+        for step in range(STEPS):
+            await asyncio.sleep(0.01 * (1 + comm.rank))  # compute: rank r is r+1 times slower
+            await comm.all_reduce(grad)  # the fast ranks wait here for the slow ones
+            steps[comm.rank] = step + 1
+
+    finished = asyncio.Event()
+
+    async def monitor() -> None:
+        shown = 0
+        while True:
+            last = finished.is_set()
+            if comms:
+                lines = _view(comms[0].statistics(), steps)
+                if tty and shown:
+                    sys.stdout.write(f"\x1b[{shown}F")  # back to the first line of the last frame
+                sys.stdout.write("".join(line + "\x1b[K\n" if tty else line + "\n" for line in lines))
+                if not tty:
+                    sys.stdout.write("\n")
+                sys.stdout.flush()
+                shown = len(lines)
+            if last:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), 0.05 if tty else 0.15)
+
+    # the monitor is not a rank: it only reads the world's state, and draws it once more
+    # when the ranks are done
+    watcher = asyncio.create_task(monitor())
+    try:
+        await aiocoll.spawn_async(train, world=world)
+    finally:
+        finished.set()
+        await watcher
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiocoll", description=__doc__)
     parser.add_argument("--world", type=int, default=4, help="number of ranks (default 4)")
     args = parser.parse_args(argv)
     w = args.world
     print(f"aiocoll {aiocoll.__version__}: {w} async ranks on one event loop\n")
+    print("live: ranks of different speeds training in lockstep (rank r computes r+1 times longer)")
+    asyncio.run(_live(w, sys.stdout.isatty()))
+    print("\ncollectives, p2p and sub-groups:")
     for line in aiocoll.spawn(_tour, world=w):
         print("  " + line)
 

@@ -63,6 +63,18 @@ class Comm:
     def __repr__(self) -> str:
         return f"<Comm rank={self.rank}/{self.world_size} group={self._group.name!r}>"
 
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot of the whole world: each rank's state and what it waits for.
+
+        ``result["ranks"][r]`` is a dict with ``state`` ("running", "blocked",
+        "returned" or "failed"), ``waiting`` (the ops it waits in), ``waits_for`` (the
+        global ranks those ops still need) and ``completed`` (its ops done so far)::
+
+            for r in comm.statistics()["ranks"]:
+                print(r["rank"], r["state"], r["waiting"], r["waits_for"])
+        """
+        return self._world.statistics()
+
     # -- validation helpers ------------------------------------------------------------
 
     def _bad(self, op: str, message: str) -> NoReturn:

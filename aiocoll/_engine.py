@@ -82,6 +82,7 @@ class RankState:
 
     __slots__ = (
         "__weakref__",
+        "completed",
         "error",
         "helpers",
         "issued",
@@ -104,6 +105,7 @@ class RankState:
         self.task: asyncio.Task[Any] | None = None
         self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
         self.error: BaseException | None = None  # why the rank failed
+        self.completed = 0  # works of this rank that have completed (or failed)
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
 
@@ -144,6 +146,19 @@ class RankState:
         if self.blocked:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
         return "running"
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this rank is doing now, as plain data (for monitors and reports)."""
+        state = self.phase.name.lower() if self.phase is not Phase.RUNNING else "running"
+        if self.phase is Phase.RUNNING and self.blocked:
+            state = "blocked"
+        return {
+            "rank": self.rank,
+            "state": state,
+            "waiting": [f"{w._call.describe()} {w._where}" for w in self.waiting],
+            "waits_for": self.world._waits_for(self),
+            "completed": self.completed,
+        }
 
     def __repr__(self) -> str:
         return f"<RankState rank={self.rank} {self.status()}>"
@@ -278,6 +293,7 @@ class Work:
             self._fut.set_result(result)
         else:
             self._fut.set_exception(exc)
+        self._rank.completed += 1
         if self._tfuts is not None:
             with _tfut_lock:
                 tfuts, self._tfuts = self._tfuts, []
@@ -790,6 +806,19 @@ class World:
             lines.append(line)
         return "\n".join(lines)
 
+    def _waits_for(self, st: RankState) -> list[int]:
+        """The global ranks whose calls the works ``st`` waits on still need."""
+        out: set[int] = set()
+        for w in st.waiting:
+            g, call = w._group, w._call
+            if w._rdv is not None:
+                out.update(g.ranks[r] for r in w._rdv.missing())
+            elif isinstance(call, Recv) and call.src is not None:
+                out.add(g.ranks[call.src])
+            elif isinstance(call, Send):
+                out.add(g.ranks[call.dst])
+        return sorted(out)
+
     def _waiting_for(self, st: RankState) -> str:
         if not st.blocked:
             return ""
@@ -825,7 +854,7 @@ class World:
             "pending_collectives": sum(len(g.pending) for g in groups),
             "pending_p2p": sum(len(v) for g in groups for v in g.recvs.values())
             + sum(len(q) for g in groups for by in g.sends.values() for q in by.values()),
-            "ranks": [st.status() for st in self.ranks],
+            "ranks": [st.snapshot() for st in self.ranks],
         }
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,13 @@ def test_demo() -> None:
     r = _run("-m", "aiocoll", "--world", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
+    # the live view: frames while the ranks train (each computing or waiting for slower
+    # ranks; which, depends on timing), then the last frame once all are done
+    waiting = r"waiting in all_reduce\(float32\[4\], op=ReduceOp.SUM\) #\d on group 'world' for ranks \[[\d, ]+\]"
+    doing = f"(computing|{waiting})"
+    assert re.search(rf"^  rank 3 \[#*\.+\] {doing}$", out, re.MULTILINE), out
+    for i in range(4):
+        assert f"rank {i} [########] returned" in out
     assert "rank 3: all_reduce=10" in out
     assert "CollectiveMismatchError" in out
     assert "rank 2: broadcast(float32[2], src=0)" in out
