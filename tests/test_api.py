@@ -136,3 +136,31 @@ def test_reduce_leaves_non_destination_untouched(loop: str) -> None:
         return t.item()
 
     assert aiocoll.spawn(fn, world=4, loop=loop) == [1.0, 24.0, 3.0, 4.0]
+
+
+def test_statistics_snapshot(loop: str) -> None:
+    async def fn(comm: Comm) -> dict[str, object] | None:
+        if comm.rank == 1:
+            ready.set()
+            await comm.all_reduce(torch.ones(1))  # blocks: rank 0 has not arrived
+            return None
+        await ready.wait()
+        before = comm.statistics()
+        await comm.all_reduce(torch.ones(1))
+        return {"before": before, "after": comm.statistics()}
+
+    ready = asyncio.Event()
+    res = aiocoll.spawn(fn, world=2, loop=loop)[0]
+    assert res is not None
+    before, after = res["before"], res["after"]
+    assert isinstance(before, dict)
+    assert isinstance(after, dict)
+    r0, r1 = before["ranks"]
+    assert r0 == {"rank": 0, "state": "running", "waiting": [], "waits_for": [], "completed": 0}
+    assert r1["state"] == "blocked"
+    assert r1["waiting"] == ["all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world'"]
+    assert r1["waits_for"] == [0]
+    assert before["blocked_ranks"] == 1
+    assert before["pending_collectives"] == 1
+    assert [r["completed"] for r in after["ranks"]] == [1, 1]
+    assert after["pending_collectives"] == 0
