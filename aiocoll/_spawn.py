@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import _c10d
 from ._comm import Comm
-from ._engine import Phase, RankState, World, install_task_tracking, rank_var
+from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
 
 __all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
@@ -183,17 +183,23 @@ async def spawn_async(
     _retrieve(runners)
     if failures:
         raise _report(w, failures)
-    leftovers = w.pending_works()
-    if leftovers:
-        # Every rank returned, yet these were issued and never matched: in a real
-        # job they would hang or be dropped. Say so rather than pass silently.
-        lines = "\n".join(f"  rank {x._rank.rank}: {x.describe()}" for x in leftovers)
-        warnings.warn(
-            f"aiocoll: the world ended with {len(leftovers)} operation(s) no peer ever matched:\n{lines}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    warn_unmatched(w.pending_works(), "the world", stacklevel=2)
     return [r.result() for r in runners]
+
+
+def warn_unmatched(works: list[Work], what: str, stacklevel: int) -> None:
+    """Warn about ``works`` still pending though every rank has ended (``stacklevel`` as seen by the caller).
+
+    They were issued and never matched: in a real job they would hang or be dropped.
+    Say so rather than pass silently.
+    """
+    if works:
+        lines = "\n".join(f"  rank {x._rank.rank}: {x.describe()}" for x in works)
+        warnings.warn(
+            f"aiocoll: {what} ended with {len(works)} operation(s) no peer ever matched:\n{lines}",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 async def _run_rank(

@@ -64,7 +64,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import warnings
 from types import TracebackType
 from typing import Any
 
@@ -74,7 +73,7 @@ import torch.distributed as dist
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._engine import Phase, RankState, Work, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
-from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort
+from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort, warn_unmatched
 
 __all__ = ["ThreadedPGReplacement", "replace_threaded_pg"]
 
@@ -296,14 +295,7 @@ def _reset(cls: type) -> None:
     harness = sys.modules.get(_HARNESS_MODULE)
     if harness is not None:
         _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
-    if leftovers:
-        # as spawn says it: every rank ended, yet these were issued and never matched
-        lines = "\n".join(f"  rank {w._rank.rank}: {w.describe()}" for w in leftovers)
-        warnings.warn(
-            f"aiocoll: the test ended with {len(leftovers)} operation(s) no peer ever matched:\n{lines}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    warn_unmatched(leftovers, "the test", stacklevel=3)
 
 
 def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
