@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 import aiocoll
+from aiocoll._record import summarize_trace
 
 
 async def _tour(comm: aiocoll.Comm) -> str:
@@ -116,8 +118,34 @@ async def _live(world: int, tty: bool) -> None:
         await watcher
 
 
+def trace_main(argv: list[str]) -> int:
+    """``python -m aiocoll trace FILE``: summarise a trace written by ``spawn(..., trace=FILE)``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m aiocoll trace",
+        description="Summarise a trace written by aiocoll.spawn(..., trace=FILE): per op kind the count, "
+        "total and max wait for peers, and the slowest rank.",
+    )
+    parser.add_argument("file", help="a trace JSON file")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"python -m aiocoll trace: cannot read {args.file}: {e}", file=sys.stderr)
+        return 2
+    print(summarize_trace(data))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aiocoll", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trace"]:
+        return trace_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m aiocoll",
+        description=__doc__,
+        epilog="python -m aiocoll trace FILE: summarise a trace written by spawn(..., trace=FILE)",
+    )
     parser.add_argument("--world", type=int, default=4, help="number of ranks (default 4)")
     args = parser.parse_args(argv)
     w = args.world

@@ -20,9 +20,10 @@ import enum
 import itertools
 import sys
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
 from types import CodeType
 from typing import Any
 
@@ -37,6 +38,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._ops import Recv, Send, check_transfer, transfer
+from ._record import Recorder, Stamp
 
 __all__ = ["Group", "RankState", "Work", "World", "current_rank_state"]
 
@@ -222,6 +224,16 @@ class Work:
         w = comm.all_reduce(grad)      # issued now
         loss = compute_more()          # ... while the others arrive
         await w                        # done: grad holds the sum
+
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     grads = [torch.ones(2), torch.ones(3)]
+    ...     works = [comm.all_reduce(g) for g in grads]    # both issued now
+    ...     for w in works:
+    ...         await w
+    ...     return [g.sum().item() for g in grads]
+    >>> aiocoll.spawn(worker, world=2)
+    [[4.0, 6.0], [4.0, 6.0]]
     """
 
     __slots__ = (
@@ -235,6 +247,7 @@ class Work:
         "_rdv",
         "_seq",
         "_site",
+        "_stamp",
         "_tfuts",
     )
 
@@ -252,6 +265,7 @@ class Work:
         # set for works issued from another thread, which blocks on it in wait()
         self._event = threading.Event() if threaded else None
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
+        self._stamp: Stamp | None = None  # its timing, when the world records
 
     @property
     def _where(self) -> str:
@@ -294,6 +308,10 @@ class Work:
         else:
             self._fut.set_exception(exc)
         self._rank.completed += 1
+        stamp = self._stamp
+        if stamp is not None and stamp.done is None:
+            stamp.done = time.perf_counter()
+            stamp.outcome = "ok" if exc is None else type(exc).__name__
         if self._tfuts is not None:
             with _tfut_lock:
                 tfuts, self._tfuts = self._tfuts, []
@@ -308,7 +326,17 @@ class Work:
         """Block the calling thread until done; return the result or raise the op's error.
 
         For ranks that run in threads. On the event loop thread, ``await`` the work
-        instead: blocking there would stop the very loop that completes it.
+        instead: blocking there would stop the very loop that completes it
+        (``BlockingCallError``). With ``timeout`` (seconds), raises
+        ``CollectiveTimeoutError`` if the op is still pending by then.
+
+        >>> import torch, aiocoll
+        >>> def worker(comm):  # a plain def: each rank runs in its own thread
+        ...     t = torch.ones(1)
+        ...     comm.all_reduce(t).wait()
+        ...     return t.item()
+        >>> aiocoll.spawn(worker, world=2)
+        [2.0, 2.0]
         """
         world = self._rank.world
         if not self._fut.done():
@@ -336,7 +364,20 @@ class Work:
         return self._fut.result()
 
     def torch_future(self, value: Any) -> torch.futures.Future[Any]:
-        """A torch Future completed with ``value`` (or the op's error) when this work completes."""
+        """A torch Future completed with ``value`` (or the op's error) when this work completes.
+
+        What the torch.distributed adapter hands out as ``get_future()``.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.ones(1)
+        ...     w = comm.all_reduce(t)
+        ...     fut = w.torch_future([t])
+        ...     await w
+        ...     return fut.done(), fut.value()[0].item()
+        >>> aiocoll.spawn(worker, world=2)
+        [(True, 2.0), (True, 2.0)]
+        """
         tf: torch.futures.Future[Any] = torch.futures.Future()
         with _tfut_lock:
             pending = not self._fut.done()
@@ -357,13 +398,36 @@ class Work:
         return self._fut.done()
 
     def result(self) -> Any:
-        """The op's result; raises its error; InvalidStateError if not done yet."""
+        """The op's result; raises its error; InvalidStateError if not done yet.
+
+        The result is what ``await`` returns: None for tensor collectives (they write in
+        place), the objects for object collectives, the sender's rank for ``recv``.
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     w = comm.all_gather_object(comm.rank)
+        ...     await w
+        ...     return w.done(), w.exception(), w.result()
+        >>> aiocoll.spawn(worker, world=2)
+        [(True, None, [0, 1]), (True, None, [0, 1])]
+        """
         return self._fut.result()
 
     def exception(self) -> BaseException | None:
+        """The op's error, or None if it succeeded; InvalidStateError if not done yet."""
         return self._fut.exception()
 
     def describe(self) -> str:
+        """The op, its place in its group and the line that issued it, as aiocoll's reports show it.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     w = comm.all_reduce(torch.ones(2))
+        ...     await w
+        ...     return w.describe()
+        >>> print(aiocoll.spawn(worker, world=2)[0])  # doctest: +ELLIPSIS
+        all_reduce(float32[2], op=ReduceOp.SUM) #0 on group 'world' at <doctest ...>:2
+        """
         return f"{self._call.describe()} {self._where} at {fmt_site(self._site)}"
 
     def __repr__(self) -> str:
@@ -377,7 +441,7 @@ class Work:
 class Rendezvous:
     """The meeting of a group's ranks at one sequence number."""
 
-    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "timer", "works")
+    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "stamp", "timer", "works")
 
     def __init__(self, group: Group, seq: int) -> None:
         self.group = group
@@ -389,6 +453,7 @@ class Rendezvous:
         self.sig: Any = None
         self.timer: asyncio.TimerHandle | None = None
         self.mismatched = False
+        self.stamp: Stamp | None = None
 
     @property
     def where(self) -> str:
@@ -461,6 +526,7 @@ class World:
         self._n_blocked = 0
         self._p2p_counter = itertools.count()
         self._p2p_timers: dict[Work, asyncio.TimerHandle] = {}
+        self.recorder: Recorder | None = None  # the flight recorder, when on
         self._mismatched: list[Rendezvous] = []
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
@@ -512,14 +578,21 @@ class World:
         rdv = group.pending.get(seq)
         if rdv is None:
             rdv = group.pending[seq] = Rendezvous(group, seq)
-            rdv.sig = call.signature()
+            sig = rdv.sig = call.signature()
             if self.timeout is not None:
                 rdv.timer = self.loop.call_later(self.timeout, self._timed_out, rdv)
-        elif not rdv.mismatched and call.signature() != rdv.sig:
-            # Report once every rank has shown what it called, or as soon as the
-            # missing ones are blocked elsewhere (see _check_deadlock).
-            rdv.mismatched = True
-            self._mismatched.append(rdv)
+            if self.recorder is not None:
+                rdv.stamp = Stamp()
+        else:
+            sig = call.signature()
+            if not rdv.mismatched and sig != rdv.sig:
+                # Report once every rank has shown what it called, or as soon as the
+                # missing ones are blocked elsewhere (see _check_deadlock).
+                rdv.mismatched = True
+                self._mismatched.append(rdv)
+        if rdv.stamp is not None:
+            work._stamp = rdv.stamp
+            self._record(work, sig)
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work
@@ -544,6 +617,8 @@ class World:
         del rdv.group.pending[rdv.seq]
         if rdv.timer is not None:
             rdv.timer.cancel()
+        if rdv.stamp is not None:
+            rdv.stamp.last = time.perf_counter()
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
@@ -590,8 +665,18 @@ class World:
 
     # -- point to point --------------------------------------------------------------
 
+    def _record(self, work: Work, sig: Hashable) -> None:
+        """Append ``work`` to its rank's flight record (the world records)."""
+        rec, stamp = self.recorder, work._stamp
+        assert rec is not None
+        assert stamp is not None
+        rec.ranks[work._rank.rank].append((work._group.name, work._seq, sig, work._site, time.perf_counter(), stamp))
+
     def _send(self, work: Work) -> None:
         group, src, call = work._group, work._grank, work._call
+        if self.recorder is not None:
+            work._stamp = Stamp()
+            self._record(work, call.describe())
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
             return
@@ -609,6 +694,9 @@ class World:
 
     def _recv(self, work: Work) -> None:
         group, dst, call = work._group, work._grank, work._call
+        if self.recorder is not None:
+            work._stamp = Stamp()
+            self._record(work, call.describe())
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
             return
@@ -633,6 +721,8 @@ class World:
             t = self._p2p_timers.pop(w, None)
             if t is not None:
                 t.cancel()
+            if w._stamp is not None:
+                w._stamp.last = time.perf_counter()  # both sides are here
         problem = check_transfer(sw._call, rw._call)
         if problem is not None:
             msg = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable, Coroutine
@@ -16,10 +17,14 @@ from . import _c10d
 from ._comm import Comm
 from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
+from ._record import Recorder
 
 __all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
 
 T = TypeVar("T")
+
+DEFAULT_RECORD = 64
+"""Operations per rank the flight recorder keeps for failure reports."""
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank may wait in one collective before ``CollectiveTimeoutError``."""
@@ -35,6 +40,8 @@ def spawn(
     timeout: float | None = ...,
     loop: LoopChoice = ...,
     torch_distributed: bool = ...,
+    record: int = ...,
+    trace: str | os.PathLike[str] | None = ...,
 ) -> list[T]: ...
 
 
@@ -46,6 +53,8 @@ def spawn(
     timeout: float | None = ...,
     loop: LoopChoice = ...,
     torch_distributed: bool = ...,
+    record: int = ...,
+    trace: str | os.PathLike[str] | None = ...,
 ) -> list[T]: ...
 
 
@@ -56,6 +65,8 @@ def spawn(
     timeout: float | None = DEFAULT_TIMEOUT,
     loop: LoopChoice = "auto",
     torch_distributed: bool = True,
+    record: int = DEFAULT_RECORD,
+    trace: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm)`` on ``world`` ranks of a new event loop; return their results in rank order.
 
@@ -71,7 +82,9 @@ def spawn(
 
     ``timeout`` bounds how long a rank may wait in one collective (None: no bound).
     ``loop`` is ``"auto"`` (uvloop when installed), ``"asyncio"``, ``"uvloop"`` or a
-    loop factory.
+    loop factory. The flight recorder keeps each rank's last ``record`` operations
+    (0: off) and a failure's report shows them side by side; ``trace="run.json"``
+    records everything and writes a Chrome/Perfetto trace, even when the run fails.
 
     >>> import torch, aiocoll
     >>> async def worker(comm):
@@ -81,7 +94,7 @@ def spawn(
     >>> aiocoll.spawn(worker, world=4)
     [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
     """
-    _check(fn, world, timeout)
+    _check(fn, world, timeout, record)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -91,7 +104,9 @@ def spawn(
             "aiocoll.spawn() was called from a running event loop; use 'await aiocoll.spawn_async(...)' there instead"
         )
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
-        return runner.run(spawn_async(fn, world, timeout=timeout, torch_distributed=torch_distributed))
+        return runner.run(
+            spawn_async(fn, world, timeout=timeout, torch_distributed=torch_distributed, record=record, trace=trace)
+        )
 
 
 @overload
@@ -101,6 +116,8 @@ async def spawn_async(
     *,
     timeout: float | None = ...,
     torch_distributed: bool = ...,
+    record: int = ...,
+    trace: str | os.PathLike[str] | None = ...,
 ) -> list[T]: ...
 
 
@@ -111,6 +128,8 @@ async def spawn_async(
     *,
     timeout: float | None = ...,
     torch_distributed: bool = ...,
+    record: int = ...,
+    trace: str | os.PathLike[str] | None = ...,
 ) -> list[T]: ...
 
 
@@ -120,6 +139,8 @@ async def spawn_async(
     *,
     timeout: float | None = DEFAULT_TIMEOUT,
     torch_distributed: bool = True,
+    record: int = DEFAULT_RECORD,
+    trace: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """The awaitable twin of ``spawn``: runs the ranks on the running loop.
 
@@ -127,10 +148,20 @@ async def spawn_async(
 
         async def test_sum():
             results = await aiocoll.spawn_async(worker, world=4)
+
+    >>> import asyncio, aiocoll
+    >>> async def worker(comm):
+    ...     return await comm.all_gather_object(comm.rank * 10)
+    >>> async def main():
+    ...     return await aiocoll.spawn_async(worker, world=3)
+    >>> asyncio.run(main())
+    [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
     """
-    _check(fn, world, timeout)
+    _check(fn, world, timeout, record)
     loop = asyncio.get_running_loop()
     w = World(world, loop, timeout)
+    if record or trace is not None:
+        w.recorder = Recorder(world, None if trace is not None else record)
     sessions: list[_c10d.RankSession | None] = [None] * world
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -180,6 +211,8 @@ async def spawn_async(
                 assert session is not None
                 session.finish()
             _c10d.uninstall()
+        if trace is not None and w.recorder is not None:
+            w.recorder.write_trace(trace)
     _retrieve(runners)
     if failures:
         raise _report(w, failures)
@@ -305,33 +338,42 @@ def echoes_abort(e: BaseException) -> bool:
 
 
 def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseException:
-    """The exception ``spawn`` raises: the first root cause, annotated with its rank."""
+    """The exception ``spawn`` raises: the first root cause, annotated with its rank.
+
+    The notes say which rank raised it, which others failed on their own, which were
+    only aborted, and (with the flight recorder on) what every rank called last.
+    """
     roots = [(r, e) for r, e in failures if not _secondary(w, e)]
-    if not roots:
+    aborted = sorted(r for r, e in failures if _secondary(w, e))
+    notes = []
+    if roots:
+        rank, exc = roots[0]
+        notes.append(f"aiocoll: raised on rank {rank} of a world of {w.size}")
+        same = [r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc)]
+        if same:
+            notes.append(f"aiocoll: ranks {same} raised the same {type(exc).__name__}")
+        for r, e in roots[1:]:
+            if r not in same:
+                notes.append(f"aiocoll: rank {r} also failed: {type(e).__name__}: {e}")
+    else:
         # No rank raised a cause of its own (e.g. ranks waiting through gather were
         # cancelled): the incident that aborted the world is the cause.
         cause = w.aborted.__cause__ if w.aborted is not None else None
-        if isinstance(cause, Exception):
-            cause.add_note(f"aiocoll: ranks {sorted(r for r, _ in failures)} were aborted because of it")
-            return cause
-        return failures[0][1]
-    rank, exc = roots[0]
-    notes = [f"aiocoll: raised on rank {rank} of a world of {w.size}"]
-    same = [r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc)]
-    if same:
-        notes.append(f"aiocoll: ranks {same} raised the same {type(exc).__name__}")
-    for r, e in roots[1:]:
-        if r not in same:
-            notes.append(f"aiocoll: rank {r} also failed: {type(e).__name__}: {e}")
-    aborted = sorted(r for r, e in failures if _secondary(w, e))
+        if not isinstance(cause, Exception):
+            return failures[0][1]
+        exc = cause
     if aborted:
         notes.append(f"aiocoll: ranks {aborted} were aborted because of it")
+    if w.recorder is not None:
+        notes.append(w.recorder.report())
     for n in notes:
         exc.add_note(n)
     return exc
 
 
-def _check(fn: object, world: object, timeout: object) -> None:
+def _check(fn: object, world: object, timeout: object, record: object = 0) -> None:
+    if not isinstance(record, int) or isinstance(record, bool) or record < 0:
+        raise InvalidArgumentError(f"spawn: argument 'record' must be an int >= 0 (0: off), got {record!r}")
     if not callable(fn):
         raise InvalidArgumentError(f"spawn: argument 'fn' must be callable, got {type(fn).__name__}")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:

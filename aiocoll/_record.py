@@ -1,0 +1,266 @@
+"""The flight recorder: what every rank called, when, and how long it waited.
+
+The engine appends one entry per rank per operation, in a ring of the last ``capacity``
+entries per rank (or all of them, when a trace file is wanted). Entries of one
+collective share a ``Stamp`` holding the collective's timing: when the last rank
+arrived and when the op completed. Recording costs a tuple and a clock read per rank
+per op, so it stays on by default.
+
+When a run fails, ``report()`` renders the last entries of every rank side by side,
+aligned by group and sequence number, so it shows where the ranks diverged. ``trace()``
+renders everything as a Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Recorder", "Stamp", "format_signature", "summarize_trace"]
+
+
+class Stamp:
+    """The timing of one collective (or p2p match), shared by the entries of its ranks."""
+
+    __slots__ = ("done", "last", "outcome")
+
+    def __init__(self) -> None:
+        self.last: float | None = None  # when the last rank arrived
+        self.done: float | None = None  # when the op completed or failed
+        self.outcome: str | None = None  # None while pending, "ok", or the error's type name
+
+
+# An entry: (group name, sequence number or None for p2p, signature, call site, arrival time, stamp)
+Entry = tuple[str, int | None, Hashable, tuple[str, int] | None, float, Stamp]
+
+
+class Recorder:
+    """Per-rank rings of entries; ``capacity=None`` keeps everything (for a trace)."""
+
+    def __init__(self, size: int, capacity: int | None) -> None:
+        self.capacity = capacity
+        self.ranks: list[deque[Entry]] = [deque(maxlen=capacity) for _ in range(size)]
+        self.t0 = time.perf_counter()
+
+    def __repr__(self) -> str:
+        n = sum(len(r) for r in self.ranks)
+        return f"<Recorder ranks={len(self.ranks)} capacity={self.capacity} entries={n}>"
+
+    # -- reports --------------------------------------------------------------------------
+
+    def report(self, last: int = 8, max_ranks: int = 8) -> str:
+        """The last ``last`` entries of every rank, aligned by (group, sequence number).
+
+        Beyond ``max_ranks`` ranks, the columns are the ranks whose last entry did not
+        complete (the interesting ones), then the lowest ranks.
+        """
+        shown = self._columns(max_ranks)
+        rows: dict[tuple[str, int | None, int], dict[int, Entry]] = {}
+        p2p_index = 0
+        for rank in shown:
+            ring = self.ranks[rank]
+            for entry in list(ring)[-last:]:
+                group, seq = entry[0], entry[1]
+                key: tuple[str, int | None, int]
+                if seq is None:  # p2p: no common sequence, one row each
+                    p2p_index += 1
+                    key = (group, None, p2p_index)
+                else:
+                    key = (group, seq, 0)
+                rows.setdefault(key, {})[rank] = entry
+        if not rows:
+            return "aiocoll: flight recorder: no operation was recorded"
+        order = sorted(rows, key=lambda k: min(e[4] for e in rows[k].values()))
+        texts = {k: {r: _cell(e) for r, e in rows[k].items()} for k in order}
+        width = max([len(t) for cells in texts.values() for t in cells.values()] + [6]) + 2
+        of = "" if len(shown) == len(self.ranks) else f", {len(shown)} of {len(self.ranks)} ranks"
+        lines = [
+            f"aiocoll: flight recorder, the last {last} operations of each rank (oldest first{of}):",
+            ("  " + "call".ljust(16) + "".join(f"rank {r}".ljust(width) for r in shown)).rstrip(),
+        ]
+        for key in order:
+            label = f"{key[0]} #{key[1]}" if key[1] is not None else f"{key[0]} p2p"
+            line = "  " + label[:15].ljust(16) + "".join(texts[key].get(r, "-").ljust(width) for r in shown)
+            lines.append(line.rstrip())
+        return "\n".join(lines)
+
+    def _columns(self, max_ranks: int) -> list[int]:
+        n = len(self.ranks)
+        if n <= max_ranks:
+            return list(range(n))
+        unfinished = [r for r, ring in enumerate(self.ranks) if ring and ring[-1][5].outcome != "ok"]
+        picked = unfinished[:max_ranks]
+        picked += [r for r in range(n) if r not in picked][: max_ranks - len(picked)]
+        return sorted(picked)
+
+    def snapshot(self) -> list[list[dict[str, Any]]]:
+        """Every recorded entry, per rank, as plain data (times in seconds from the start)."""
+        return [[_entry_dict(e, self.t0) for e in ring] for ring in self.ranks]
+
+    def trace(self) -> dict[str, Any]:
+        """The recording as a Chrome trace: a track per rank, a slice per op (its wait nested)."""
+        events: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+            for r in range(len(self.ranks))
+        ]
+        for rank, ring in enumerate(self.ranks):
+            for e in ring:
+                d = _entry_dict(e, self.t0)
+                start = d["arrived"]
+                end = d["done"] if d["done"] is not None else d["arrived"]
+                events.append(
+                    {
+                        "name": d["op"],
+                        "cat": "p2p" if d["seq"] is None else "collective",
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": rank,
+                        "ts": start * 1e6,
+                        "dur": max(0.0, end - start) * 1e6,
+                        "args": d,
+                    }
+                )
+                if d["last"] is not None and d["last"] > start:
+                    events.append(
+                        {
+                            "name": "waiting for peers",
+                            "cat": "wait",
+                            "ph": "X",
+                            "pid": 0,
+                            "tid": rank,
+                            "ts": start * 1e6,
+                            "dur": (d["last"] - start) * 1e6,
+                        }
+                    )
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "aiocoll"}}
+
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.trace(), f)
+
+
+def _entry_dict(e: Entry, t0: float) -> dict[str, Any]:
+    group, seq, sig, site, arrived, stamp = e
+    return {
+        "group": group,
+        "seq": seq,
+        "op": format_signature(sig),
+        "site": None if site is None else f"{site[0]}:{site[1]}",
+        "arrived": arrived - t0,
+        "last": None if stamp.last is None else stamp.last - t0,
+        "done": None if stamp.done is None else stamp.done - t0,
+        "outcome": stamp.outcome or "pending",
+    }
+
+
+_OUTCOMES = {
+    "CollectiveMismatchError": "MISMATCH",
+    "DeadlockError": "DEADLOCK",
+    "CollectiveTimeoutError": "TIMEOUT",
+    "WorldAbortedError": "aborted",
+}
+
+
+def _cell(e: Entry) -> str:
+    stamp = e[5]
+    if stamp.outcome is None:
+        state = "PENDING"
+    elif stamp.outcome == "ok":
+        wait = (stamp.last or e[4]) - e[4]
+        state = f"ok +{_ms(wait)}" if wait >= 1e-3 else "ok"
+    else:
+        state = _OUTCOMES.get(stamp.outcome, stamp.outcome)
+    return f"{format_signature(e[2])} {state}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f}us"
+
+
+_SHORT_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+def _fmt_value(v: object) -> str:
+    if isinstance(v, torch.dtype):
+        return _SHORT_DTYPES.get(v, str(v).removeprefix("torch."))
+    if isinstance(v, tuple):
+        return "[" + ",".join(_fmt_value(x) for x in v) + "]"
+    name = getattr(v, "name", None)
+    if isinstance(name, str) and type(v).__name__ == "RedOpType":
+        return name
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def format_signature(sig: Hashable) -> str:
+    """A short text for a call signature, e.g. ``all_reduce SUM f32[3]``."""
+    if isinstance(sig, str):
+        return sig
+    if not (isinstance(sig, tuple) and sig and isinstance(sig[0], str)):
+        return str(sig)
+    parts: list[str] = [sig[0]]
+    for v in sig[1:]:
+        if isinstance(v, tuple) and parts and parts[-1] in _SHORT_DTYPES.values():
+            parts[-1] += _fmt_value(v)  # a dtype and the shape after it: f32[3]
+        else:
+            parts.append(_fmt_value(v))
+    return " ".join(parts)
+
+
+def summarize_trace(trace: dict[str, Any]) -> str:
+    """Per op kind: count, total and max wait; and the slowest rank (``python -m aiocoll trace``)."""
+    slices = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") != "wait"]
+    if not slices:
+        return "no operations in this trace"
+    kinds: dict[str, list[float]] = {}
+    for e in slices:
+        a = e["args"]
+        wait = (a["last"] - a["arrived"]) if a.get("last") is not None else 0.0
+        kinds.setdefault(a["op"].split(" ", 1)[0], []).append(max(0.0, wait))
+    lines = [f"{'op':<24}{'count':>8}{'total wait':>14}{'max wait':>12}"]
+    for kind, waits in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{kind:<24}{len(waits):>8}{_ms(sum(waits)):>14}{_ms(max(waits)):>12}")
+    lines.append("")
+    lines.append(_slowest(slices))
+    return "\n".join(lines)
+
+
+def _slowest(slices: Iterable[dict[str, Any]]) -> str:
+    """The rank that most often arrived last at collectives, and by how much in total."""
+    by_call: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for e in slices:
+        a = e["args"]
+        if a.get("seq") is not None:
+            by_call.setdefault((a["group"], a["seq"]), []).append((a["arrived"], e["tid"]))
+    late: dict[int, list[float]] = {}
+    for arrivals in by_call.values():
+        if len(arrivals) < 2:
+            continue
+        arrivals.sort()
+        first, (t_last, rank) = arrivals[0][0], arrivals[-1]
+        late.setdefault(rank, []).append(t_last - first)
+    if not late:
+        return "slowest rank: none (no collective with two or more ranks)"
+    rank, gaps = max(late.items(), key=lambda kv: (sum(kv[1]), len(kv[1])))
+    return (
+        f"slowest rank: {rank} (last to arrive at {len(gaps)} of {len(by_call)} collectives, "
+        f"{_ms(sum(gaps))} behind the first arrival in total)"
+    )
