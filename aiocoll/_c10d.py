@@ -469,6 +469,15 @@ async def settle() -> None:
         y = funcol.all_reduce(x, "sum", dist.group.WORLD)
         await aiocoll.settle()
         print(y)                      # complete: no blocking
+
+    >>> import torch, torch.distributed as dist, aiocoll
+    >>> import torch.distributed._functional_collectives as funcol
+    >>> async def worker(comm):
+    ...     y = funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)
+    ...     await aiocoll.settle()
+    ...     return y.item()
+    >>> aiocoll.spawn(worker, world=2)
+    [2.0, 2.0]
     """
     st = current_rank_state()
     if st is None:

@@ -21,13 +21,16 @@ class Comm:
     """One rank's view of a group: its ``rank`` and ``world_size`` and the collectives.
 
     Every collective is issued when called and returns an awaitable ``Work``; ranks are
-    group-local, as in torch.distributed::
+    group-local, as in torch.distributed:
 
-        async def worker(comm):
-            t = torch.ones(2) * comm.rank
-            await comm.all_reduce(t)            # t == sum of all ranks' tensors
-            evens = await comm.new_group([0, 2])
-            return t
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     t = torch.ones(2) * comm.rank
+    ...     await comm.all_reduce(t)                  # t == sum of all ranks' tensors
+    ...     evens = await comm.new_group([0, 2])      # a Comm on ranks 0 and 2, None on 1
+    ...     return t.tolist(), evens and (evens.rank, evens.world_size)
+    >>> aiocoll.spawn(worker, world=3)
+    [([3.0, 3.0], (0, 2)), ([3.0, 3.0], None), ([3.0, 3.0], (1, 2))]
 
     Bad arguments raise ``InvalidArgumentError`` on the calling rank before it joins,
     leaving its tensors untouched.
@@ -53,11 +56,20 @@ class Comm:
 
     @property
     def group_ranks(self) -> tuple[int, ...]:
-        """The global ranks of this group's members, in group-rank order."""
+        """The global ranks of this group's members, in group-rank order.
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     odds = await comm.new_group([1, 3])
+        ...     return odds and (odds.rank, odds.global_rank, odds.group_ranks, odds.group_name)
+        >>> aiocoll.spawn(worker, world=4)
+        [None, (0, 1, (1, 3), 'world/0'), None, (1, 3, (1, 3), 'world/0')]
+        """
         return self._group.ranks
 
     @property
     def group_name(self) -> str:
+        """The group's name in aiocoll's reports: ``"world"``, then ``"world/0"`` and so on for sub-groups."""
         return self._group.name
 
     def __repr__(self) -> str:
@@ -137,23 +149,62 @@ class Comm:
     # -- collectives -------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM) -> Work:
-        """Reduce ``tensor`` across the group, in place on every rank."""
+        """Reduce ``tensor`` across the group, in place on every rank.
+
+        ``op`` is a ``torch.distributed.ReduceOp`` (default SUM); reductions run in rank
+        order, so results are bitwise repeatable.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.tensor([comm.rank + 1.0])
+        ...     await comm.all_reduce(t)
+        ...     return t.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [6.0, 6.0, 6.0]
+        """
         t = self._tensor("all_reduce", "tensor", tensor)
         return self._join(ops.AllReduce(t, self._reduction("all_reduce", op, t.dtype)))
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = _SUM) -> Work:
-        """Reduce ``tensor`` across the group into rank ``dst``'s tensor; others are unchanged."""
+        """Reduce ``tensor`` across the group into rank ``dst``'s tensor; others are unchanged.
+
+        >>> import torch, torch.distributed as dist, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.tensor([comm.rank + 1.0])
+        ...     await comm.reduce(t, dst=0, op=dist.ReduceOp.MAX)
+        ...     return t.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [3.0, 2.0, 3.0]
+        """
         t = self._tensor("reduce", "tensor", tensor)
         dst = self._root("reduce", "dst", dst)
         return self._join(ops.Reduce(t, dst, self._reduction("reduce", op, t.dtype)))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.tensor([comm.rank * 10.0])
+        ...     await comm.broadcast(t, src=2)
+        ...     return t.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [20.0, 20.0, 20.0]
+        """
         t = self._tensor("broadcast", "tensor", tensor)
         return self._join(ops.Broadcast(t, self._root("broadcast", "src", src)))
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work:
-        """Every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
+        """Every rank's ``tensor`` into ``tensor_list[rank]`` on every rank.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     out = [torch.zeros(1) for _ in range(comm.world_size)]
+        ...     await comm.all_gather(out, torch.tensor([comm.rank * 1.0]))
+        ...     return torch.cat(out).tolist()
+        >>> aiocoll.spawn(worker, world=3)
+        [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+        """
         x = self._tensor("all_gather", "tensor", tensor)
         outs = self._tensors("all_gather", "tensor_list", tensor_list, self.world_size)
         for i, o in enumerate(outs):
@@ -167,7 +218,16 @@ class Comm:
         return self._join(ops.AllGather(outs, x))
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> Work:
-        """Gather every rank's input into ``output_tensor``, concatenated along dim 0 (or stacked)."""
+        """Gather every rank's input into ``output_tensor``, concatenated along dim 0 (or stacked).
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     out = torch.zeros(comm.world_size, 2)
+        ...     await comm.all_gather_into_tensor(out, torch.full((2,), comm.rank * 1.0))
+        ...     return out.tolist()
+        >>> aiocoll.spawn(worker, world=2)
+        [[[0.0, 0.0], [1.0, 1.0]], [[0.0, 0.0], [1.0, 1.0]]]
+        """
         op = "all_gather_into_tensor"
         out = self._tensor(op, "output_tensor", output_tensor)
         x = self._tensor(op, "input_tensor", input_tensor)
@@ -181,7 +241,18 @@ class Comm:
         return self._join(ops.AllGatherIntoTensor(out, x))
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0) -> Work:
-        """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+        """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``.
+
+        ``gather_list`` is required on ``dst`` and None (or empty) elsewhere.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     out = [torch.zeros(1) for _ in range(comm.world_size)] if comm.rank == 0 else None
+        ...     await comm.gather(torch.tensor([comm.rank * 1.0]), out, dst=0)
+        ...     return out and torch.cat(out).tolist()
+        >>> aiocoll.spawn(worker, world=3)
+        [[0.0, 1.0, 2.0], None, None]
+        """
         x = self._tensor("gather", "tensor", tensor)
         dst = self._root("gather", "dst", dst)
         outs = None
@@ -196,7 +267,19 @@ class Comm:
         return self._join(ops.Gather(x, outs, dst))
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0) -> Work:
-        """Send ``scatter_list[i]`` of rank ``src`` to rank i's ``tensor``."""
+        """Send ``scatter_list[i]`` of rank ``src`` to rank i's ``tensor``.
+
+        ``scatter_list`` is required on ``src`` and None (or empty) elsewhere.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.zeros(1)
+        ...     chunks = [torch.tensor([10.0 * i]) for i in range(comm.world_size)] if comm.rank == 0 else None
+        ...     await comm.scatter(t, chunks, src=0)
+        ...     return t.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [0.0, 10.0, 20.0]
+        """
         out = self._tensor("scatter", "tensor", tensor)
         src = self._root("scatter", "src", src)
         ins = None
@@ -211,7 +294,16 @@ class Comm:
         return self._join(ops.Scatter(out, ins, src))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = _SUM) -> Work:
-        """Reduce ``input_list[i]`` across ranks into rank i's ``output``."""
+        """Reduce ``input_list[i]`` across ranks into rank i's ``output``.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     out = torch.zeros(1)
+        ...     await comm.reduce_scatter(out, [torch.tensor([i * 1.0]) for i in range(comm.world_size)])
+        ...     return out.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [0.0, 3.0, 6.0]
+        """
         out = self._tensor("reduce_scatter", "output", output)
         ins = self._tensors("reduce_scatter", "input_list", input_list, self.world_size)
         for i, x in enumerate(ins):
@@ -219,7 +311,16 @@ class Comm:
         return self._join(ops.ReduceScatter(out, ins, self._reduction("reduce_scatter", op, out.dtype)))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: Any = _SUM) -> Work:
-        """Reduce ``input`` across ranks; rank i gets chunk i (along dim 0) in ``output``."""
+        """Reduce ``input`` across ranks; rank i gets chunk i (along dim 0) in ``output``.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     out = torch.zeros(2)
+        ...     await comm.reduce_scatter_tensor(out, torch.arange(4.0))
+        ...     return out.tolist()
+        >>> aiocoll.spawn(worker, world=2)
+        [[0.0, 2.0], [4.0, 6.0]]
+        """
         name = "reduce_scatter_tensor"
         out = self._tensor(name, "output", output)
         x = self._tensor(name, "input", input)
@@ -233,7 +334,17 @@ class Comm:
         return self._join(ops.ReduceScatterTensor(out, x, self._reduction(name, op, out.dtype)))
 
     def all_to_all(self, output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor]) -> Work:
-        """Send ``input_tensor_list[j]`` to rank j; receive rank j's into ``output_tensor_list[j]``."""
+        """Send ``input_tensor_list[j]`` to rank j; receive rank j's into ``output_tensor_list[j]``.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     ins = [torch.tensor([10.0 * comm.rank + j]) for j in range(comm.world_size)]
+        ...     outs = [torch.zeros(1) for _ in range(comm.world_size)]
+        ...     await comm.all_to_all(outs, ins)
+        ...     return torch.cat(outs).tolist()
+        >>> aiocoll.spawn(worker, world=2)
+        [[0.0, 10.0], [1.0, 11.0]]
+        """
         outs = self._tensors("all_to_all", "output_tensor_list", output_tensor_list, self.world_size)
         ins = self._tensors("all_to_all", "input_tensor_list", input_tensor_list, self.world_size)
         for i, t in enumerate(outs + ins):
@@ -254,7 +365,24 @@ class Comm:
         output_split_sizes: Sequence[int] | None = None,
         input_split_sizes: Sequence[int] | None = None,
     ) -> Work:
-        """Split ``input`` along dim 0, send chunk j to rank j, concatenate what arrives in ``output``."""
+        """Split ``input`` along dim 0, send chunk j to rank j, concatenate what arrives in ``output``.
+
+        Without split sizes the chunks are even; ``input_split_sizes[j]`` rows go to rank
+        j, and ``output_split_sizes[j]`` rows arrive from it. Here rank 0 sends 1 row to
+        itself and 2 to rank 1:
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     if comm.rank == 0:
+        ...         x, in_splits, out_splits = torch.tensor([0.0, 1.0, 2.0]), [1, 2], [1, 1]
+        ...     else:
+        ...         x, in_splits, out_splits = torch.tensor([10.0, 11.0]), [1, 1], [2, 1]
+        ...     out = torch.zeros(sum(out_splits))
+        ...     await comm.all_to_all_single(out, x, out_splits, in_splits)
+        ...     return out.tolist()
+        >>> aiocoll.spawn(worker, world=2)
+        [[0.0, 10.0], [1.0, 2.0, 11.0]]
+        """
         name = "all_to_all_single"
         out = self._tensor(name, "output", output)
         x = self._tensor(name, "input", input)
@@ -285,7 +413,18 @@ class Comm:
         return out
 
     def barrier(self) -> Work:
-        """Wait until every rank of the group has called ``barrier``."""
+        """Wait until every rank of the group has called ``barrier``.
+
+        >>> import aiocoll
+        >>> log = []
+        >>> async def worker(comm):
+        ...     log.append(f"before {comm.rank}")
+        ...     await comm.barrier()
+        ...     log.append(f"after {comm.rank}")
+        >>> _ = aiocoll.spawn(worker, world=2)
+        >>> sorted(log[:2]), sorted(log[2:])
+        (['before 0', 'before 1'], ['after 0', 'after 1'])
+        """
         return self._join(ops.Barrier())
 
     # -- point to point --------------------------------------------------------------
@@ -299,6 +438,17 @@ class Comm:
         """Send ``tensor`` to rank ``dst``; completes when a matching ``recv`` has taken it.
 
         Sends and receives pair up in call order per (sender, receiver, tag).
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     t = torch.zeros(2)
+        ...     if comm.rank == 0:
+        ...         await comm.send(torch.tensor([1.0, 2.0]), dst=1)
+        ...     else:
+        ...         await comm.recv(t, src=0)
+        ...     return t.tolist()
+        >>> aiocoll.spawn(worker, world=2)
+        [[0.0, 0.0], [1.0, 2.0]]
         """
         t = self._tensor("send", "tensor", tensor)
         dst = self._root("send", "dst", dst)
@@ -307,7 +457,24 @@ class Comm:
         return self._join(ops.Send(t, dst, self._tag("send", tag)))
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Receive into ``tensor`` from rank ``src`` (any rank if None); awaits to the sender's rank."""
+        """Receive into ``tensor`` from rank ``src`` (any rank if None); awaits to the sender's rank.
+
+        With no ``src``, the earliest matching send from any rank is taken:
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     if comm.rank > 0:
+        ...         await comm.send(torch.tensor([comm.rank * 1.0]), dst=0)
+        ...         return None
+        ...     got = []
+        ...     for _ in range(comm.world_size - 1):
+        ...         t = torch.zeros(1)
+        ...         src = await comm.recv(t)
+        ...         got.append((src, t.item()))
+        ...     return sorted(got)
+        >>> aiocoll.spawn(worker, world=3)
+        [[(1, 1.0), (2, 2.0)], None, None]
+        """
         t = self._tensor("recv", "tensor", tensor)
         if src is not None:
             src = self._root("recv", "src", src)
@@ -318,22 +485,50 @@ class Comm:
     # -- objects -------------------------------------------------------------------------
 
     def broadcast_object(self, obj: Any, src: int) -> Work:
-        """Rank ``src``'s ``obj`` on every rank (each gets its own unpickled copy)."""
+        """Rank ``src``'s ``obj`` on every rank (each gets its own unpickled copy).
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     return await comm.broadcast_object({"lr": 0.1} if comm.rank == 0 else None, src=0)
+        >>> aiocoll.spawn(worker, world=2)
+        [{'lr': 0.1}, {'lr': 0.1}]
+        """
         src = self._root("broadcast_object", "src", src)
         payload = self._dumps("broadcast_object", "obj", obj) if self.rank == src else None
         return self._join(ops.BroadcastObject(payload, src))
 
     def all_gather_object(self, obj: Any) -> Work:
-        """Every rank's ``obj``, as a list indexed by rank, on every rank."""
+        """Every rank's ``obj``, as a list indexed by rank, on every rank.
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     return await comm.all_gather_object(f"rank{comm.rank}")
+        >>> aiocoll.spawn(worker, world=2)
+        [['rank0', 'rank1'], ['rank0', 'rank1']]
+        """
         return self._join(ops.AllGatherObject(self._dumps("all_gather_object", "obj", obj)))
 
     def gather_object(self, obj: Any, dst: int = 0) -> Work:
-        """Every rank's ``obj`` as a list on rank ``dst``; None elsewhere."""
+        """Every rank's ``obj`` as a list on rank ``dst``; None elsewhere.
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     return await comm.gather_object(comm.rank**2, dst=0)
+        >>> aiocoll.spawn(worker, world=3)
+        [[0, 1, 4], None, None]
+        """
         dst = self._root("gather_object", "dst", dst)
         return self._join(ops.GatherObject(self._dumps("gather_object", "obj", obj), dst))
 
     def scatter_object(self, objs: Sequence[Any] | None, src: int = 0) -> Work:
-        """``objs[i]`` of rank ``src`` to rank i."""
+        """``objs[i]`` of rank ``src`` to rank i; ``objs`` is ignored on the other ranks.
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     return await comm.scatter_object(["a", "b", "c"] if comm.rank == 0 else None, src=0)
+        >>> aiocoll.spawn(worker, world=3)
+        ['a', 'b', 'c']
+        """
         src = self._root("scatter_object", "src", src)
         payloads = None
         if self.rank == src:
@@ -352,6 +547,17 @@ class Comm:
         """Make a sub-group of ``ranks`` (group-local); every rank of this group must call it.
 
         Returns the member's ``Comm`` (ranks renumbered in sorted order) or None.
+
+        >>> import torch, aiocoll
+        >>> async def worker(comm):
+        ...     evens = await comm.new_group([0, 2])
+        ...     if evens is None:
+        ...         return None
+        ...     t = torch.tensor([comm.rank * 1.0])
+        ...     await evens.all_reduce(t)
+        ...     return evens.rank, evens.world_size, t.item()
+        >>> aiocoll.spawn(worker, world=3)
+        [(0, 2, 2.0), None, (1, 2, 2.0)]
         """
         if not isinstance(ranks, (list, tuple, range)) or not ranks:
             self._bad("new_group", "argument 'ranks': expected a non-empty list of ranks")
@@ -365,7 +571,15 @@ class Comm:
     async def split(self, color: Hashable | None, key: Any = 0) -> Comm | None:
         """MPI-style split: ranks with the same ``color`` form a group, ordered by (key, rank).
 
-        ``color=None`` joins no group and returns None.
+        ``color=None`` joins no group and returns None. Here even and odd ranks split,
+        each group in reverse rank order:
+
+        >>> import aiocoll
+        >>> async def worker(comm):
+        ...     sub = await comm.split(color=comm.rank % 2, key=-comm.rank)
+        ...     return sub.rank, sub.group_ranks
+        >>> aiocoll.spawn(worker, world=4)
+        [(1, (2, 0)), (1, (3, 1)), (0, (2, 0)), (0, (3, 1))]
         """
         try:
             hash(color)
@@ -392,6 +606,13 @@ def rank_generator(seed: int = 0, device: str | torch.device = "cpu") -> torch.G
 
         g = aiocoll.rank_generator(seed=0)       # differs per rank, same every run
         x = torch.randn(3, generator=g)
+
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     return torch.randint(0, 10**6, (2,), generator=aiocoll.rank_generator(seed=0)).tolist()
+    >>> first = aiocoll.spawn(worker, world=2)
+    >>> first == aiocoll.spawn(worker, world=2), first[0] != first[1]
+    (True, True)
     """
     st = current_rank_state()
     if st is None:

@@ -14,14 +14,33 @@ __all__ = [
 
 
 class AiocollError(Exception):
-    """Root of every error aiocoll raises on purpose."""
+    """Root of every error aiocoll raises on purpose.
+
+    Each error also derives from the fitting builtin, so ``except ValueError`` and the
+    like keep working; ``except aiocoll.AiocollError`` catches every report of aiocoll:
+
+    >>> import aiocoll
+    >>> issubclass(aiocoll.DeadlockError, aiocoll.AiocollError), issubclass(aiocoll.DeadlockError, RuntimeError)
+    (True, True)
+    """
 
 
 class InvalidArgumentError(AiocollError, ValueError):
     """A collective was called with bad arguments on one rank.
 
     Raised on the calling rank before it joins the collective, so no data has moved
-    and the caller's tensors are untouched.
+    and the caller's tensors are untouched. It is raised by the call itself, not by
+    the ``await``:
+
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     t = torch.ones(2)
+    ...     try:
+    ...         comm.broadcast(t, src=5)
+    ...     except aiocoll.InvalidArgumentError as e:
+    ...         return str(e), t.tolist()
+    >>> aiocoll.spawn(worker, world=2)[0]
+    ("broadcast on rank 0: argument 'src': rank 5 is out of range for a group of 2", [1.0, 1.0])
     """
 
 
@@ -29,19 +48,65 @@ class CollectiveMismatchError(AiocollError, ValueError):
     """Ranks met at the same collective of a group with calls that do not agree.
 
     Example: rank 0 calls ``all_reduce`` while rank 1 calls ``broadcast``, or the
-    tensors differ in shape or dtype. The message lists what every rank called.
+    tensors differ in shape or dtype. The message lists what every rank called, and
+    where:
+
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     t = torch.ones(2)
+    ...     if comm.rank == 1:
+    ...         await comm.broadcast(t, src=0)
+    ...     else:
+    ...         await comm.all_reduce(t)
+    >>> try:  # doctest: +ELLIPSIS
+    ...     aiocoll.spawn(worker, world=3)
+    ... except aiocoll.CollectiveMismatchError as e:
+    ...     print(e)
+    ranks called different collectives as call #0 of group 'world':
+      rank 0: all_reduce(float32[2], op=ReduceOp.SUM) at ...
+      rank 1: broadcast(float32[2], src=0) at ...
+      rank 2: all_reduce(float32[2], op=ReduceOp.SUM) at ...
     """
 
 
 class CollectiveTimeoutError(AiocollError, TimeoutError):
-    """A rank waited in one collective longer than the world's ``timeout``."""
+    """A rank waited in one collective longer than the world's ``timeout``.
+
+    The fallback for waits aiocoll cannot prove hopeless, such as a peer that is busy
+    (here, sleeping) rather than waiting:
+
+    >>> import asyncio, aiocoll
+    >>> async def worker(comm):
+    ...     if comm.rank == 1:
+    ...         await asyncio.sleep(10)
+    ...     await comm.barrier()
+    >>> try:  # doctest: +ELLIPSIS
+    ...     aiocoll.spawn(worker, world=2, timeout=0.05)
+    ... except aiocoll.CollectiveTimeoutError as e:
+    ...     print(e)
+    barrier #0 on group 'world' timed out after 0.05s: ranks [0] arrived, ranks [1] did not:
+      rank 0: barrier() at ...
+      rank 1: not arrived (running)
+    """
 
 
 class DeadlockError(AiocollError, RuntimeError):
     """Every live rank waits for something that can no longer happen.
 
     Raised at once, not after a timeout; the message holds a table of each rank's
-    state and pending operation.
+    state and pending operation. Here rank 1 returns without joining the all_reduce:
+
+    >>> import torch, aiocoll
+    >>> async def worker(comm):
+    ...     if comm.rank == 0:
+    ...         await comm.all_reduce(torch.ones(1))
+    >>> try:  # doctest: +ELLIPSIS
+    ...     aiocoll.spawn(worker, world=2)
+    ... except aiocoll.DeadlockError as e:
+    ...     print(e)
+    deadlock: every live rank waits for a peer that will never arrive
+      rank 0: blocked in all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world' at ... -- waits for ranks [1]
+      rank 1: returned
     """
 
 
@@ -49,7 +114,24 @@ class WorldAbortedError(AiocollError, RuntimeError):
     """The world was aborted (a rank failed) while this rank waited or called.
 
     ``rank`` is the rank whose failure aborted the world (None when the world was
-    cancelled from outside); ``__cause__`` is its exception.
+    cancelled from outside); ``__cause__`` is its exception. ``spawn`` re-raises the
+    original failure, not this echo of it:
+
+    >>> import aiocoll
+    >>> async def worker(comm):
+    ...     if comm.rank == 1:
+    ...         raise KeyError("boom")
+    ...     try:
+    ...         await comm.barrier()
+    ...     except aiocoll.WorldAbortedError as e:
+    ...         print(f"rank {comm.rank}: {e} (e.rank={e.rank})")
+    ...         raise
+    >>> try:
+    ...     aiocoll.spawn(worker, world=2)
+    ... except KeyError as e:
+    ...     print("spawn raised", repr(e))
+    rank 0: rank 1 failed with KeyError: 'boom' (e.rank=1)
+    spawn raised KeyError('boom')
     """
 
     def __init__(self, message: str, *, rank: int | None = None) -> None:
@@ -61,5 +143,17 @@ class BlockingCallError(AiocollError, RuntimeError):
     """A blocking wait was made on the event loop thread, where it would deadlock.
 
     The loop it blocks is the one that completes the collective. On the loop, use
-    ``await comm.all_reduce(t)`` or ``await dist.all_reduce(t, async_op=True)``.
+    ``await comm.all_reduce(t)`` or ``await dist.all_reduce(t, async_op=True)``. The
+    refused call has not joined the collective, so the rank may still make it:
+
+    >>> import torch, torch.distributed as dist, aiocoll
+    >>> async def worker(comm):
+    ...     t = torch.ones(1)
+    ...     try:
+    ...         dist.all_reduce(t)
+    ...     except aiocoll.BlockingCallError:
+    ...         await dist.all_reduce(t, async_op=True)
+    ...     return t.item()
+    >>> aiocoll.spawn(worker, world=2)
+    [2.0, 2.0]
     """

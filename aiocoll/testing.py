@@ -111,6 +111,17 @@ def replace_threaded_pg(*, timeout: float | None = DEFAULT_TIMEOUT) -> ThreadedP
     Replacements nest: torch's own process group (and everything patched for this) is
     restored exactly when the last one in force is restored. ``timeout`` bounds how
     long a rank may wait in one collective (None: no bound).
+
+    For a whole test suite, in ``conftest.py``::
+
+        import aiocoll.testing
+
+        aiocoll.testing.replace_threaded_pg()
+
+    For a block only, restoring torch's own process group afterwards::
+
+        with aiocoll.testing.replace_threaded_pg(timeout=60):
+            unittest.main(module="test_my_dtensor", exit=False)
     """
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
         raise InvalidArgumentError(
