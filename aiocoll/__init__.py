@@ -27,7 +27,7 @@ from ._errors import (
     InvalidArgumentError,
     WorldAbortedError,
 )
-from ._spawn import DEFAULT_TIMEOUT, spawn, spawn_async
+from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, spawn, spawn_async
 
 register()  # the torch.distributed backend "aiocoll"
 
@@ -37,6 +37,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "DEFAULT_RECORD",
     "DEFAULT_TIMEOUT",
     "AiocollError",
     "BlockingCallError",

@@ -309,9 +309,10 @@ class Work:
             self._fut.set_exception(exc)
         self._rank.completed += 1
         stamp = self._stamp
-        if stamp is not None and stamp.done is None:
+        if stamp is not None and stamp.done is None and exc is not None:
+            # failures end here; successes are stamped once per collective in _complete
             stamp.done = time.perf_counter()
-            stamp.outcome = "ok" if exc is None else type(exc).__name__
+            stamp.outcome = type(exc).__name__
         if self._tfuts is not None:
             with _tfut_lock:
                 tfuts, self._tfuts = self._tfuts, []
@@ -590,9 +591,12 @@ class World:
                 # missing ones are blocked elsewhere (see _check_deadlock).
                 rdv.mismatched = True
                 self._mismatched.append(rdv)
-        if rdv.stamp is not None:
-            work._stamp = rdv.stamp
-            self._record(work, sig)
+        stamp = rdv.stamp
+        if stamp is not None:  # the flight recorder is on (inlined: this is the hot path)
+            work._stamp = stamp
+            self.recorder.ranks[work._rank.rank].append(  # type: ignore[union-attr]
+                (group.name, seq, sig, work._site, time.perf_counter(), stamp)
+            )
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work
@@ -638,6 +642,9 @@ class World:
             assert w is not None
             w._resolve(res)
             w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
+        if rdv.stamp is not None:
+            rdv.stamp.done = time.perf_counter()
+            rdv.stamp.outcome = "ok"
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
@@ -744,6 +751,10 @@ class World:
             return
         sw._resolve(None)
         rw._resolve(src)
+        for w in (sw, rw):
+            if w._stamp is not None:
+                w._stamp.done = time.perf_counter()
+                w._stamp.outcome = "ok"
 
     def _arm_p2p_timer(self, work: Work) -> None:
         if self.timeout is not None:

@@ -15,6 +15,7 @@ from aiocoll import Comm
 
 def test_public_names() -> None:
     assert set(aiocoll.__all__) == {
+        "DEFAULT_RECORD",
         "DEFAULT_TIMEOUT",
         "AiocollError",
         "BlockingCallError",
