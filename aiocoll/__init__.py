@@ -27,7 +27,8 @@ from ._errors import (
     InvalidArgumentError,
     WorldAbortedError,
 )
-from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, spawn, spawn_async
+from ._faults import Fault, InjectedFault, OpInfo
+from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
 
 register()  # the torch.distributed backend "aiocoll"
 
@@ -45,10 +46,15 @@ __all__ = [
     "CollectiveTimeoutError",
     "Comm",
     "DeadlockError",
+    "Fault",
+    "InjectedFault",
     "InvalidArgumentError",
+    "OpInfo",
+    "SeedFailure",
     "Work",
     "WorldAbortedError",
     "__version__",
+    "find_failing_seed",
     "rank_generator",
     "settle",
     "spawn",

@@ -141,6 +141,11 @@ class Comm:
 
     def _join(self, call: Any) -> Work:
         work = Work(self._group, self.rank, call, self._site(), self._threaded)
+        faults = self._world.faults
+        if faults is not None:
+            hit = faults.check(work)
+            if hit is not None:
+                return self._world.inject(*hit, work)
         if self._threaded:
             self._world.call_soon_threadsafe(self._world.post, work)
             return work

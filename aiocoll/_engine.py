@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import enum
 import itertools
+import random
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ from ._errors import (
     DeadlockError,
     WorldAbortedError,
 )
+from ._faults import Fault, FaultPlan, OpInfo
 from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
 
@@ -87,6 +89,7 @@ class RankState:
         "completed",
         "error",
         "helpers",
+        "injected",
         "issued",
         "live",
         "parked",
@@ -108,6 +111,7 @@ class RankState:
         self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
+        self.injected: str | None = None  # what an injected fault did to it, if it hung
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
 
@@ -147,7 +151,7 @@ class RankState:
             return self.phase.name.lower()
         if self.blocked:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
-        return "running"
+        return self.injected or "running"
 
     def snapshot(self) -> dict[str, Any]:
         """What this rank is doing now, as plain data (for monitors and reports)."""
@@ -528,6 +532,10 @@ class World:
         self._p2p_counter = itertools.count()
         self._p2p_timers: dict[Work, asyncio.TimerHandle] = {}
         self.recorder: Recorder | None = None  # the flight recorder, when on
+        self.faults: FaultPlan | None = None  # faults to inject, when any
+        self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
+        # works a fault holds back: hung (None) or delayed (the timer that posts them)
+        self._held: dict[Work, asyncio.TimerHandle | None] = {}
         self._mismatched: list[Rendezvous] = []
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
@@ -561,12 +569,41 @@ class World:
         st = st or work._rank
         if work._fut.done() or work._parked_on is not None:
             return
+        if self._held and work in self._held:
+            return  # held back by a fault: the rank is stuck or late, not waiting for peers
         work._parked_on = st
         st.waiting.append(work)
         st._change(0, 1)
 
     def unpark(self, work: Work) -> None:
         work._unpark()
+
+    # -- fault injection ---------------------------------------------------------------
+
+    def inject(self, fault: Fault, info: OpInfo, work: Work) -> Work:
+        """Apply ``fault`` to ``work`` instead of posting it (any thread)."""
+        assert self.faults is not None
+        if fault.kind == "fail":
+            raise self.faults.exception(fault, info)
+        if fault.kind == "hang":
+            work._rank.injected = f"hung by an injected fault in {info.op} (its operation #{info.index})"
+        if self.on_loop_thread():
+            self._hold(work, fault)
+        else:
+            self.call_soon_threadsafe(self._hold, work, fault)
+        return work
+
+    def _hold(self, work: Work, fault: Fault) -> None:
+        if self.aborted is not None:
+            work._resolve(exc=self._aborted_error())
+        elif fault.kind == "delay":
+            self._held[work] = self.loop.call_later(fault.seconds, self._release, work)
+        else:
+            self._held[work] = None
+
+    def _release(self, work: Work) -> None:
+        del self._held[work]
+        self.post(work)
 
     def _join(self, work: Work) -> None:
         """Deposit the work's call for its group-rank at its next sequence number."""
@@ -638,13 +675,42 @@ class World:
                 w._resolve(exc=e)
             self.abort(None, e)
             return
-        for w, res in zip(rdv.works, results, strict=True):
-            assert w is not None
-            w._resolve(res)
-            w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
+        if self.rng is not None:
+            self._resolve_shuffled(rdv.works, results)
+        else:
+            for w, res in zip(rdv.works, results, strict=True):
+                assert w is not None
+                w._resolve(res)
+                w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
         if rdv.stamp is not None:
             rdv.stamp.done = time.perf_counter()
             rdv.stamp.outcome = "ok"
+
+    def _resolve_shuffled(self, works: list[Work | None], results: list[Any]) -> None:
+        """A seeded schedule: release the ranks in a random order, some a few loop turns late.
+
+        The order in which ranks are released is the order in which they run next, so
+        this reorders what the ranks do after each collective, reproducibly per seed.
+        """
+        assert self.rng is not None
+        pairs = list(zip(works, results, strict=True))
+        self.rng.shuffle(pairs)
+        for w, res in pairs:
+            assert w is not None
+            w._rdv = None
+            turns = self.rng.randrange(3)
+            if turns:
+                self.in_flight += 1  # a release on its way: not a deadlock meanwhile
+                self.loop.call_soon(self._release_later, w, res, turns - 1)
+            else:
+                w._resolve(res)
+
+    def _release_later(self, w: Work, res: Any, turns: int) -> None:
+        if turns:
+            self.loop.call_soon(self._release_later, w, res, turns - 1)
+            return
+        self.in_flight -= 1
+        w._resolve(res)
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
@@ -715,7 +781,12 @@ class World:
             else:
                 # any source: the earliest unmatched send, whoever sent it
                 heads = [(q[0][0], s) for s, q in by_src.items() if q]
-                src = min(heads)[1] if heads else None
+                if not heads:
+                    src = None
+                elif self.rng is not None:  # a seeded schedule: any queued sender may win
+                    src = self.rng.choice(heads)[1]
+                else:
+                    src = min(heads)[1]
             if src is not None:
                 _, sw = by_src[src].popleft()
                 self._match(group, src, sw, work)
@@ -841,6 +912,11 @@ class World:
         for t in self._p2p_timers.values():
             t.cancel()
         self._p2p_timers.clear()
+        for w, timer in self._held.items():
+            if timer is not None:
+                timer.cancel()
+            w._resolve(exc=self._aborted_error())
+        self._held.clear()
         # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by
         # one loop turn so the ranks just released above first see their error (a

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
+import random
 import threading
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
@@ -17,6 +20,8 @@ from . import _c10d
 from ._comm import Comm
 from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
+from ._faults import Fault, FaultPlan
+from ._output import prefixed_output
 from ._record import Recorder
 
 __all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
@@ -42,6 +47,9 @@ def spawn(
     torch_distributed: bool = ...,
     record: int = ...,
     trace: str | os.PathLike[str] | None = ...,
+    faults: Iterable[Fault] = ...,
+    schedule_seed: int | None = ...,
+    prefix_output: bool = ...,
 ) -> list[T]: ...
 
 
@@ -55,6 +63,9 @@ def spawn(
     torch_distributed: bool = ...,
     record: int = ...,
     trace: str | os.PathLike[str] | None = ...,
+    faults: Iterable[Fault] = ...,
+    schedule_seed: int | None = ...,
+    prefix_output: bool = ...,
 ) -> list[T]: ...
 
 
@@ -67,6 +78,9 @@ def spawn(
     torch_distributed: bool = True,
     record: int = DEFAULT_RECORD,
     trace: str | os.PathLike[str] | None = None,
+    faults: Iterable[Fault] = (),
+    schedule_seed: int | None = None,
+    prefix_output: bool = False,
 ) -> list[Any]:
     """Run ``fn(comm)`` on ``world`` ranks of a new event loop; return their results in rank order.
 
@@ -82,9 +96,15 @@ def spawn(
 
     ``timeout`` bounds how long a rank may wait in one collective (None: no bound).
     ``loop`` is ``"auto"`` (uvloop when installed), ``"asyncio"``, ``"uvloop"`` or a
-    loop factory. The flight recorder keeps each rank's last ``record`` operations
-    (0: off) and a failure's report shows them side by side; ``trace="run.json"``
-    records everything and writes a Chrome/Perfetto trace, even when the run fails.
+    loop factory.
+
+    Diagnostics: the flight recorder keeps each rank's last ``record`` operations (0:
+    off) and a failure's report shows them side by side; ``trace="run.json"`` records
+    everything and writes a Chrome/Perfetto trace, even when the run fails. ``faults``
+    (``Fault.fail/hang/delay``) make chosen ranks fail, hang or straggle at chosen
+    operations. ``schedule_seed`` perturbs, reproducibly, the order in which ready ranks
+    run and any-source receives match, to shake out order-dependent bugs.
+    ``prefix_output`` prefixes what each rank prints or logs with ``[rank N]``.
 
     >>> import torch, aiocoll
     >>> async def worker(comm):
@@ -94,7 +114,7 @@ def spawn(
     >>> aiocoll.spawn(worker, world=4)
     [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
     """
-    _check(fn, world, timeout, record)
+    _check(fn, world, timeout, record, schedule_seed)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -105,7 +125,17 @@ def spawn(
         )
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
         return runner.run(
-            spawn_async(fn, world, timeout=timeout, torch_distributed=torch_distributed, record=record, trace=trace)
+            spawn_async(
+                fn,
+                world,
+                timeout=timeout,
+                torch_distributed=torch_distributed,
+                record=record,
+                trace=trace,
+                faults=faults,
+                schedule_seed=schedule_seed,
+                prefix_output=prefix_output,
+            )
         )
 
 
@@ -118,6 +148,9 @@ async def spawn_async(
     torch_distributed: bool = ...,
     record: int = ...,
     trace: str | os.PathLike[str] | None = ...,
+    faults: Iterable[Fault] = ...,
+    schedule_seed: int | None = ...,
+    prefix_output: bool = ...,
 ) -> list[T]: ...
 
 
@@ -130,6 +163,9 @@ async def spawn_async(
     torch_distributed: bool = ...,
     record: int = ...,
     trace: str | os.PathLike[str] | None = ...,
+    faults: Iterable[Fault] = ...,
+    schedule_seed: int | None = ...,
+    prefix_output: bool = ...,
 ) -> list[T]: ...
 
 
@@ -141,6 +177,9 @@ async def spawn_async(
     torch_distributed: bool = True,
     record: int = DEFAULT_RECORD,
     trace: str | os.PathLike[str] | None = None,
+    faults: Iterable[Fault] = (),
+    schedule_seed: int | None = None,
+    prefix_output: bool = False,
 ) -> list[Any]:
     """The awaitable twin of ``spawn``: runs the ranks on the running loop.
 
@@ -157,27 +196,39 @@ async def spawn_async(
     >>> asyncio.run(main())
     [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
     """
-    _check(fn, world, timeout, record)
+    _check(fn, world, timeout, record, schedule_seed)
     loop = asyncio.get_running_loop()
     w = World(world, loop, timeout)
     if record or trace is not None:
         w.recorder = Recorder(world, None if trace is not None else record)
+    faults = list(faults)
+    if faults:
+        w.faults = FaultPlan(faults, world)
+    order = list(w.ranks)
+    if schedule_seed is not None:
+        w.rng = random.Random(schedule_seed)
+        w.rng.shuffle(order)  # which rank starts first, too
     sessions: list[_c10d.RankSession | None] = [None] * world
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]
         sessions = [_c10d.RankSession(st, store) for st in w.ranks]
         _c10d.install()
     undo = install_task_tracking(loop)
+    output = prefixed_output() if prefix_output else contextlib.nullcontext()
+    output.__enter__()
     failures: list[tuple[int, BaseException]] = []
     threads: list[threading.Thread] = []
     try:
         runners: list[asyncio.Future[Any]]
         if _is_async(fn):
             afn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], fn)
-            runners = [
-                loop.create_task(_run_rank(w, st, afn, sessions[st.rank], failures), name=f"aiocoll rank {st.rank}")
-                for st in w.ranks
-            ]
+            by_rank = {
+                st.rank: loop.create_task(
+                    _run_rank(w, st, afn, sessions[st.rank], failures), name=f"aiocoll rank {st.rank}"
+                )
+                for st in order
+            }
+            runners = [by_rank[r] for r in range(world)]
         else:
             sfn = fn
             runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads) for st in w.ranks]
@@ -206,6 +257,7 @@ async def spawn_async(
             t.join()  # each has posted its result as its last act: this is immediate
     finally:
         undo()
+        output.__exit__(None, None, None)
         if torch_distributed:
             for session in sessions:
                 assert session is not None
@@ -371,7 +423,9 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
     return exc
 
 
-def _check(fn: object, world: object, timeout: object, record: object = 0) -> None:
+def _check(fn: object, world: object, timeout: object, record: object = 0, seed: object = None) -> None:
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidArgumentError(f"spawn: argument 'schedule_seed' must be an int or None, got {seed!r}")
     if not isinstance(record, int) or isinstance(record, bool) or record < 0:
         raise InvalidArgumentError(f"spawn: argument 'record' must be an int >= 0 (0: off), got {record!r}")
     if not callable(fn):
@@ -407,3 +461,51 @@ def _loop_factory(choice: LoopChoice) -> Callable[[], asyncio.AbstractEventLoop]
     raise InvalidArgumentError(
         f"spawn: argument 'loop' must be 'auto', 'asyncio', 'uvloop' or a loop factory, got {choice!r}"
     )
+
+
+@dataclass(frozen=True)
+class SeedFailure:
+    """The first seed under which ``find_failing_seed`` saw the function fail, and how.
+
+    Replay it with the same seed::
+
+        found = aiocoll.find_failing_seed(worker, world=4)
+        if found is not None:
+            print(found.seed, found.error)
+            aiocoll.spawn(worker, world=4, schedule_seed=found.seed)  # fails the same way
+    """
+
+    seed: int
+    error: BaseException
+
+
+def find_failing_seed(
+    fn: Callable[[Comm], Any], world: int, seeds: Iterable[int] = range(100), **spawn_kwargs: Any
+) -> SeedFailure | None:
+    """Run ``spawn(fn, world, schedule_seed=s)`` for each seed; the first that fails, or None.
+
+    An order-dependent bug (an any-source ``recv`` assumed to come from one rank, a race
+    on shared Python state) shows under some schedules only; the seed replays it::
+
+        found = aiocoll.find_failing_seed(worker, world=4, seeds=range(200))
+        if found:
+            aiocoll.spawn(worker, world=4, schedule_seed=found.seed)   # the same failure
+
+    >>> import torch, aiocoll
+    >>> async def racy(comm):                 # assumes rank 1's message comes first
+    ...     if comm.rank == 0:
+    ...         t = torch.zeros(1)
+    ...         assert await comm.recv(t) == 1, "rank 2 came first"
+    ...         await comm.recv(t)
+    ...     else:
+    ...         await comm.send(torch.ones(1), dst=0)
+    >>> found = aiocoll.find_failing_seed(racy, world=3, seeds=range(50))
+    >>> found is not None and isinstance(found.error, AssertionError)
+    True
+    """
+    for seed in seeds:
+        try:
+            spawn(fn, world, schedule_seed=seed, **spawn_kwargs)
+        except Exception as e:
+            return SeedFailure(seed, e)
+    return None
