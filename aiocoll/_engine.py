@@ -311,6 +311,10 @@ class Work:
             self._fut.set_result(result)
         else:
             self._fut.set_exception(exc)
+            # Mark it retrieved: a work nobody awaits (issued, then the rank failed) would
+            # have asyncio log its error at exit; spawn reports failures its own way. An
+            # awaiter still gets the error.
+            self._fut.exception()
         self._rank.completed += 1
         stamp = self._stamp
         if stamp is not None and stamp.done is None and exc is not None:
@@ -598,8 +602,21 @@ class World:
             work._resolve(exc=self._aborted_error())
         elif fault.kind == "delay":
             self._held[work] = self.loop.call_later(fault.seconds, self._release, work)
+        elif self.timeout is not None:
+            # The hung rank waits in its call too, and the timeout bounds that as any wait
+            # (alone in its world, nothing else would end it). Twice the timeout: the
+            # peers waiting for it time out first, and their report says more.
+            self._held[work] = self.loop.call_later(2 * self.timeout, self._hang_timed_out, work)
         else:
             self._held[work] = None
+
+    def _hang_timed_out(self, work: Work) -> None:
+        del self._held[work]
+        err = CollectiveTimeoutError(
+            f"rank {work._rank.rank} waited {2 * self.timeout}s in {work._call.describe()}: {work._rank.injected}"
+        )
+        work._resolve(exc=err)
+        self.abort(None, err)
 
     def _release(self, work: Work) -> None:
         del self._held[work]
@@ -835,9 +852,13 @@ class World:
         self._p2p_timers.pop(work, None)
         if work.done():
             return
-        err = CollectiveTimeoutError(
-            f"rank {work._rank.rank} waited {self.timeout}s in {work.describe()}; no peer matched it"
-        )
+        call, g = work._call, work._group
+        peer = call.dst if isinstance(call, Send) else call.src
+        if peer is None:
+            who = "no rank sent to it"
+        else:
+            who = f"rank {g.ranks[peer]} did not match it ({self.ranks[g.ranks[peer]].status()})"
+        err = CollectiveTimeoutError(f"rank {work._rank.rank} waited {self.timeout}s in {work.describe()}; {who}")
         self._remove_p2p(work)
         work._resolve(exc=err)
         self.abort(None, err)
