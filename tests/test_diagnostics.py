@@ -161,7 +161,10 @@ async def _arrivals(comm: Comm) -> list[int]:
 
 
 def test_a_seed_replays_the_same_schedule(loop: str) -> None:
-    runs = {seed: [aiocoll.spawn(_arrivals, world=5, loop=loop, schedule_seed=seed)[0] for _ in range(3)] for seed in range(8)}
+    runs = {
+        seed: [aiocoll.spawn(_arrivals, world=5, loop=loop, schedule_seed=seed)[0] for _ in range(3)]
+        for seed in range(8)
+    }
     for seed, orders in runs.items():
         assert orders[0] == orders[1] == orders[2], seed
         assert sorted(orders[0]) == [1, 2, 3, 4]
