@@ -611,6 +611,7 @@ class World:
             self._held[work] = None
 
     def _hang_timed_out(self, work: Work) -> None:
+        assert self.timeout is not None
         del self._held[work]
         err = CollectiveTimeoutError(
             f"rank {work._rank.rank} waited {2 * self.timeout}s in {work._call.describe()}: {work._rank.injected}"

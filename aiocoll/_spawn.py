@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import os
 import random
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Coroutine, Iterable
@@ -123,6 +124,11 @@ def spawn(
         raise RuntimeError(
             "aiocoll.spawn() was called from a running event loop; use 'await aiocoll.spawn_async(...)' there instead"
         )
+    if _in_trio():
+        raise RuntimeError(
+            "aiocoll.spawn() would block trio's event loop until the world ends; "
+            "run it in a worker thread: await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
+        )
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
         return runner.run(
             spawn_async(
@@ -197,7 +203,14 @@ async def spawn_async(
     [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
     """
     _check(fn, world, timeout, record, schedule_seed)
-    loop = asyncio.get_running_loop()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "aiocoll.spawn_async() needs a running asyncio event loop (aiocoll runs on asyncio or "
+            "uvloop, including anyio's asyncio backend). From trio, run a world in a worker thread: "
+            "await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
+        ) from None
     w = World(world, loop, timeout)
     if record or trace is not None:
         w.recorder = Recorder(world, None if trace is not None else record)
@@ -250,7 +263,14 @@ async def spawn_async(
             # Threads cannot be cancelled: the abort fails their next collective, and
             # we wait for them to return.
             w.abort(None, asyncio.CancelledError("spawn was cancelled"))
-            await asyncio.wait([*runners, *w.cancel_tasks("spawn was cancelled")])
+            pending = [*runners, *w.cancel_tasks("spawn was cancelled")]
+            while pending:
+                # An anyio cancel scope cancels us again on every loop turn: keep waiting,
+                # or we would return while ranks still run. (A second ^C still lands:
+                # KeyboardInterrupt is not a CancelledError.)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(pending)
+                pending = [r for r in pending if not r.done()] + w.cancel_tasks("spawn was cancelled")
             _retrieve(runners)
             raise
         for t in threads:
@@ -304,6 +324,18 @@ async def _run_rank(
         raise
     st.phase = Phase.RETURNED
     return result
+
+
+def _in_trio() -> bool:
+    """Whether the caller runs in a trio task (without importing trio when it is not in use)."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _retrieve(runners: list[asyncio.Future[Any]]) -> None:
@@ -378,7 +410,13 @@ def _secondary(w: World, e: BaseException) -> bool:
 
 
 def echoes_abort(e: BaseException) -> bool:
-    """Whether ``e`` is a ``WorldAbortedError`` or was raised while handling one."""
+    """Whether ``e`` is a ``WorldAbortedError``, was raised while handling one, or is a group
+    (what a task group raises) of nothing but such errors and cancellations."""
+    if isinstance(e, BaseExceptionGroup):
+        leaves = e.exceptions
+        return any(echoes_abort(x) for x in leaves) and all(
+            echoes_abort(x) or isinstance(x, asyncio.CancelledError) for x in leaves
+        )
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:

@@ -195,12 +195,6 @@ async def _cleanup_in_rank(comm: Comm) -> None:
                 await anyio.lowlevel.checkpoint()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="aiocoll bug: an anyio cancel scope re-cancels the task inside it on every loop turn, "
-    "which interrupts spawn_async's wait for the ranks it cancelled: it returns while ranks still run",
-)
 @pytest.mark.parametrize("body", [_task_group_in_rank, _cleanup_in_rank], ids=["task-group", "cleanup"])
 def test_cancel_scope_waits_for_ranks_still_finishing(loop: str, body: Callable[[Comm], Awaitable[None]]) -> None:
     finished: list[int] = []
@@ -250,13 +244,6 @@ anyio.run(main)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="aiocoll bug: an anyio cancel scope re-cancels the task inside it on every loop turn, "
-    "which interrupts spawn_async's wait for rank threads: it returns (and tears down their "
-    "torch.distributed state) while they still run",
-)
 def test_cancel_scope_waits_for_rank_threads() -> None:
     r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, timeout=120)
     assert "rank threads running after spawn_async returned:" in r.stdout, r.stdout + r.stderr
@@ -353,13 +340,6 @@ def test_helper_failure_in_a_task_group_reaches_spawn(loop: str) -> None:
     assert "aiocoll: raised on rank 1 of a world of 3" in ei.value.__notes__
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="aiocoll bug: an ExceptionGroup that only wraps WorldAbortedError (what a task group "
-    "raises on an aborted rank) is taken for a root cause: the report says the aborted ranks "
-    "'raised the same ExceptionGroup'",
-)
 def test_task_group_report_tells_aborted_ranks_from_the_failed_one(loop: str) -> None:
     with pytest.raises(ExceptionGroup) as ei:
         _run(loop, lambda: aiocoll.spawn_async(_helper_raises, world=3, timeout=10))
@@ -404,12 +384,6 @@ async def _sums(comm: Comm) -> float:
     return t.item()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="unclear error: under trio, spawn_async fails inside asyncio with 'RuntimeError: no "
-    "running event loop', which says neither that aiocoll needs asyncio nor what to do instead",
-)
 def test_spawn_async_on_trio_says_it_needs_asyncio() -> None:
     _trio()
     ran: list[int] = []
