@@ -51,3 +51,18 @@ def test_demo() -> None:
     assert "DeadlockError" in out
     assert "rank 3: returned" in out
     assert "µs per op" in out
+
+
+def test_broken_example_report_reads_well() -> None:
+    r = _run(str(ROOT / "examples" / "broken_training.py"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith("ranks called different collectives as call #4 of group 'world':")
+    assert lines[3].startswith("  rank 2: barrier() at ")
+    assert lines[3].endswith("broken_training.py:31")
+    record = lines[lines.index("aiocoll: flight recorder, the last 8 operations of each rank (oldest first):") :]
+    assert record[1].split() == ["call", "rank", "0", "rank", "1", "rank", "2", "rank", "3"]
+    rows = [line.split() for line in record[2:] if line.strip()]
+    assert [row[1] for row in rows] == ["#0", "#1", "#2", "#3", "#4"]
+    cells = " ".join(rows[-1][2:]).split(" MISMATCH")
+    assert [c.strip() for c in cells] == ["all_reduce AVG f32[4]"] * 2 + ["barrier", "all_reduce AVG f32[4]", ""]
