@@ -65,6 +65,7 @@ _PARK_AFTER = 0.002
 _CANCEL_AFTER_TURNS = 4
 
 _world_ids = itertools.count()
+_now = time.perf_counter
 
 
 class Phase(enum.Enum):
@@ -95,6 +96,7 @@ class RankState:
         "parked",
         "phase",
         "rank",
+        "record",
         "task",
         "waiting",
         "world",
@@ -112,6 +114,7 @@ class RankState:
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
+        self.record: deque[Any] | None = None  # its flight-recorder ring, when the world records
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
 
@@ -319,7 +322,7 @@ class Work:
         stamp = self._stamp
         if stamp is not None and stamp.done is None and exc is not None:
             # failures end here; successes are stamped once per collective in _complete
-            stamp.done = time.perf_counter()
+            stamp.done = _now()
             stamp.outcome = type(exc).__name__
         if self._tfuts is not None:
             with _tfut_lock:
@@ -649,9 +652,7 @@ class World:
         stamp = rdv.stamp
         if stamp is not None:  # the flight recorder is on (inlined: this is the hot path)
             work._stamp = stamp
-            self.recorder.ranks[work._rank.rank].append(  # type: ignore[union-attr]
-                (group.name, seq, sig, work._site, time.perf_counter(), stamp)
-            )
+            work._rank.record.append((group.name, seq, sig, work._site, _now(), stamp))  # type: ignore[union-attr]
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work
@@ -677,7 +678,7 @@ class World:
         if rdv.timer is not None:
             rdv.timer.cancel()
         if rdv.stamp is not None:
-            rdv.stamp.last = time.perf_counter()
+            rdv.stamp.last = _now()
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
@@ -701,7 +702,7 @@ class World:
                 w._resolve(res)
                 w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
         if rdv.stamp is not None:
-            rdv.stamp.done = time.perf_counter()
+            rdv.stamp.done = _now()
             rdv.stamp.outcome = "ok"
 
     def _resolve_shuffled(self, works: list[Work | None], results: list[Any]) -> None:
@@ -761,7 +762,7 @@ class World:
         rec, stamp = self.recorder, work._stamp
         assert rec is not None
         assert stamp is not None
-        rec.ranks[work._rank.rank].append((work._group.name, work._seq, sig, work._site, time.perf_counter(), stamp))
+        rec.ranks[work._rank.rank].append((work._group.name, work._seq, sig, work._site, _now(), stamp))
 
     def _send(self, work: Work) -> None:
         group, src, call = work._group, work._grank, work._call
@@ -818,7 +819,7 @@ class World:
             if t is not None:
                 t.cancel()
             if w._stamp is not None:
-                w._stamp.last = time.perf_counter()  # both sides are here
+                w._stamp.last = _now()  # both sides are here
         problem = check_transfer(sw._call, rw._call)
         if problem is not None:
             msg = (
@@ -842,7 +843,7 @@ class World:
         rw._resolve(src)
         for w in (sw, rw):
             if w._stamp is not None:
-                w._stamp.done = time.perf_counter()
+                w._stamp.done = _now()
                 w._stamp.outcome = "ok"
 
     def _arm_p2p_timer(self, work: Work) -> None:

@@ -26,14 +26,17 @@ __all__ = ["Recorder", "Stamp", "format_signature", "summarize_trace"]
 
 
 class Stamp:
-    """The timing of one collective (or p2p match), shared by the entries of its ranks."""
+    """The timing of one collective (or p2p match), shared by the entries of its ranks.
 
-    __slots__ = ("done", "last", "outcome")
+    ``last``: when the last rank arrived; ``done``: when the op completed or failed;
+    ``outcome``: None while pending, "ok", or the error's type name.
+    """
 
-    def __init__(self) -> None:
-        self.last: float | None = None  # when the last rank arrived
-        self.done: float | None = None  # when the op completed or failed
-        self.outcome: str | None = None  # None while pending, "ok", or the error's type name
+    # Class-level defaults instead of an __init__: one is made per collective on the
+    # hot path, and this makes that a bare allocation.
+    last: float | None = None
+    done: float | None = None
+    outcome: str | None = None
 
 
 # An entry: (group name, sequence number or None for p2p, signature, call site, arrival time, stamp)

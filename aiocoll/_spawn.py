@@ -214,6 +214,8 @@ async def spawn_async(
     w = World(world, loop, timeout)
     if record or trace is not None:
         w.recorder = Recorder(world, None if trace is not None else record)
+        for st, ring in zip(w.ranks, w.recorder.ranks, strict=True):
+            st.record = ring  # the engine appends straight to it
     faults = list(faults)
     if faults:
         w.faults = FaultPlan(faults, world)
