@@ -1,0 +1,611 @@
+"""pytest plugin: ``@pytest.mark.world(4)`` runs a test on 4 ranks.
+
+Installed with aiocoll (entry point ``pytest11``; ``-p no:aiocoll`` turns it off). The
+body of a test marked ``world`` runs once per rank, as ``aiocoll.spawn`` runs a rank
+function, and gets its rank's ``Comm`` from the ``comm`` fixture: ``async def`` tests
+as tasks on a new event loop, plain ``def`` tests as threads with torch.distributed
+initialised (backend ``"aiocoll"``)::
+
+    import pytest, torch, torch.distributed as dist
+
+    @pytest.mark.world(4)
+    async def test_all_reduce(comm):
+        t = torch.ones(2) * comm.rank
+        await comm.all_reduce(t)
+        assert t.tolist() == [6.0, 6.0]
+
+    @pytest.mark.world(2)
+    def test_torch_code(comm):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2.0
+
+Only the test body runs per rank: the other fixtures it requests are set up once, as
+usual, before the ranks start, and every rank gets the same objects (``tmp_path`` is
+one directory for all ranks). ``async`` fixtures run on their plugin's loop, not on
+the ranks' loop.
+
+A failing test is reported with the rank that failed first (``rank 2 of 4 failed``),
+then that rank's traceback; the ranks it aborted are listed in the exception's notes.
+A test cut short by pytest-timeout (or ^C) is reported where a rank that kept the
+others waiting was; a rank thread stuck outside a collective cannot be stopped and is
+left running, so the session goes on.
+
+Settings, from the most specific: the marker's keywords
+(``@pytest.mark.world(4, timeout=5, loop="asyncio")``), the command line
+(``--aiocoll-world``, ``--aiocoll-timeout``, ``--aiocoll-loop``), the ini file
+(``aiocoll_world``, ``aiocoll_timeout``, ``aiocoll_loop``). ``--aiocoll-world`` is the
+size of a bare ``@pytest.mark.world``; the timeout bounds one wait in one collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import sysconfig
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Literal, cast
+
+import pytest
+import torch
+from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackNative, Traceback
+
+from ._comm import Comm
+from ._errors import AiocollError
+from ._spawn import _loop_factory, spawn_async
+
+__all__ = ["DEFAULT_TEST_TIMEOUT", "DEFAULT_WORLD", "comm"]
+
+DEFAULT_WORLD = 4
+"""Ranks of a test marked ``@pytest.mark.world`` with no size, unless configured."""
+
+DEFAULT_TEST_TIMEOUT = 60.0
+"""Seconds a rank of a test may wait in one collective, unless configured.
+
+Shorter than spawn's default: a test rank that waits a minute is stuck. With
+pytest-timeout's ``--timeout T`` and no aiocoll timeout configured, half of T (if
+less), so that aiocoll's report, which says who waits for whom, comes first.
+"""
+
+_Loop = Literal["auto", "asyncio", "uvloop"]
+_LOOPS: tuple[_Loop, ...] = ("auto", "asyncio", "uvloop")
+_GRACE = 2.0  # seconds an interrupted world of threads gets to wind down before it is left behind
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The session's settings, from the command line, else the ini file, else the defaults."""
+
+    world: int
+    timeout: float | None
+    timeout_configured: bool  # by the user: then pytest-timeout's value does not lower it
+    loop: _Loop
+
+
+@dataclass(frozen=True)
+class _WorldRun:
+    """How one marked test runs: resolved at setup, so bad settings fail there."""
+
+    fn: Callable[..., Any]  # before pytest-asyncio swaps the item's obj for its own runner
+    world: int
+    timeout: float | None
+    loop: _Loop
+
+
+_SETTINGS = pytest.StashKey[_Settings]()
+_RUN = pytest.StashKey[_WorldRun]()
+
+
+# -- configuration --------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("aiocoll", "aiocoll: tests marked @pytest.mark.world(n) run on n ranks")
+    group.addoption(
+        "--aiocoll-world",
+        dest="aiocoll_world",
+        metavar="N",
+        help=f"ranks of a test marked @pytest.mark.world without a size (default {DEFAULT_WORLD})",
+    )
+    group.addoption(
+        "--aiocoll-timeout",
+        dest="aiocoll_timeout",
+        metavar="SECONDS",
+        help=(
+            f"seconds a rank may wait in one collective, or 'none' (default {DEFAULT_TEST_TIMEOUT:g}; "
+            "half of pytest-timeout's --timeout if less)"
+        ),
+    )
+    group.addoption(
+        "--aiocoll-loop",
+        dest="aiocoll_loop",
+        choices=_LOOPS,
+        help="event loop of the ranks: auto (uvloop when installed, the default), asyncio or uvloop",
+    )
+    parser.addini("aiocoll_world", "aiocoll: ranks of a test marked @pytest.mark.world without a size", default="")
+    parser.addini("aiocoll_timeout", "aiocoll: seconds a rank may wait in one collective, or 'none'", default="")
+    parser.addini("aiocoll_loop", "aiocoll: event loop of the ranks: auto, asyncio or uvloop", default="")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "world(n=None, *, timeout=None, loop=None): run the test on n ranks with aiocoll.spawn; "
+        "the test gets its rank's Comm from the 'comm' fixture",
+    )
+    config.stash[_SETTINGS] = _read_settings(config)
+
+
+def _read_settings(config: pytest.Config) -> _Settings:
+    """Parse and check the options once, so a typo stops the session before any test runs."""
+
+    def value(name: str) -> tuple[str, str] | None:
+        flag = config.getoption(name)
+        if flag is not None:
+            return f"--{name.replace('_', '-')}", str(flag)
+        ini = str(config.getini(name)).strip()
+        return (f"ini setting {name}", ini) if ini else None
+
+    world, timeout, loop = value("aiocoll_world"), value("aiocoll_timeout"), value("aiocoll_loop")
+    try:
+        return _Settings(
+            world=DEFAULT_WORLD if world is None else _parse_world(world[1], world[0]),
+            timeout=DEFAULT_TEST_TIMEOUT if timeout is None else _parse_timeout(timeout[1], timeout[0]),
+            timeout_configured=timeout is not None,
+            loop="auto" if loop is None else _parse_loop(loop[1], loop[0]),
+        )
+    except ValueError as e:
+        raise pytest.UsageError(f"aiocoll: {e}") from None
+
+
+def _parse_world(raw: object, where: str) -> int:
+    try:
+        n = raw if isinstance(raw, int) and not isinstance(raw, bool) else int(str(raw))
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{where}: the world size must be a positive int, got {raw!r}")
+    return n
+
+
+def _parse_timeout(raw: object, where: str) -> float | None:
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() == "none"):
+        return None
+    try:
+        t = float(cast(Any, raw)) if not isinstance(raw, bool) else 0.0
+    except (TypeError, ValueError):
+        t = 0.0
+    if not t > 0:
+        raise ValueError(f"{where}: the timeout must be a positive number of seconds or 'none', got {raw!r}")
+    return t
+
+
+def _parse_loop(raw: object, where: str) -> _Loop:
+    if raw not in _LOOPS:
+        raise ValueError(f"{where}: the loop must be one of {', '.join(_LOOPS)}, got {raw!r}")
+    if raw == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise ValueError(f"{where}: loop 'uvloop' but uvloop is not installed (pip install 'aiocoll[uvloop]')")
+    return raw
+
+
+def _pytest_timeout(item: pytest.Item) -> float | None:
+    """pytest-timeout's timeout for ``item``, if that plugin is active and sets one."""
+    plugin = item.config.pluginmanager.get_plugin("timeout")
+    settings_of = getattr(plugin, "_get_item_settings", None)
+    if settings_of is None:
+        return None
+    try:
+        t = settings_of(item).timeout
+    except Exception:  # its own checks report a bad marker; that is not ours to report
+        return None
+    return float(t) if isinstance(t, (int, float)) and t > 0 else None
+
+
+# -- running a marked test ------------------------------------------------------------
+
+
+@pytest.fixture
+def comm(request: pytest.FixtureRequest) -> Comm:
+    """The rank's ``Comm`` in a test marked ``@pytest.mark.world(n)``, for example::
+
+        @pytest.mark.world(2)
+        async def test_rank(comm):
+            assert comm.world_size == 2
+
+    An unmarked test that asks for it fails at setup.
+    """
+    if request.node.get_closest_marker("world") is None:
+        pytest.fail(
+            f"{request.node.nodeid}: the 'comm' fixture needs the test marked @pytest.mark.world(n)", pytrace=False
+        )
+    # The rank's own Comm replaces this when the test body runs on each rank.
+    return cast(Comm, _NotARank())
+
+
+class _NotARank:
+    """What a fixture depending on ``comm`` gets: fixtures are set up once, before the ranks exist."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"aiocoll: comm.{name} used outside the test body: only the test function of a "
+            "@pytest.mark.world test gets its rank's Comm (other fixtures are set up once, shared by all ranks)"
+        )
+
+    def __repr__(self) -> str:
+        return "<comm: set per rank when the test body runs>"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # not tryfirst: a skip mark, checked first, spares a skipped test the checks below
+    marker = item.get_closest_marker("world")
+    if marker is None or not isinstance(item, pytest.Function):
+        return
+    settings = item.config.stash[_SETTINGS]
+    try:
+        given: dict[str, Any] = {**dict(zip(("n",), marker.args, strict=False)), **marker.kwargs}
+        if len(marker.args) > 1 or set(given) - {"n", "timeout", "loop"} or ("n" in marker.kwargs and marker.args):
+            raise ValueError(f"@pytest.mark.world takes (n=None, *, timeout=..., loop=...), got {marker}")
+        world = settings.world if given.get("n") is None else _parse_world(given["n"], "@pytest.mark.world")
+        if "timeout" in given:
+            timeout = _parse_timeout(given["timeout"], "@pytest.mark.world")
+        elif settings.timeout_configured:
+            timeout = settings.timeout
+        else:
+            limit = _pytest_timeout(item)
+            timeout = DEFAULT_TEST_TIMEOUT if limit is None else min(DEFAULT_TEST_TIMEOUT, limit / 2)
+        loop = settings.loop if given.get("loop") is None else _parse_loop(given["loop"], "@pytest.mark.world")
+    except ValueError as e:
+        pytest.fail(f"aiocoll: {e}", pytrace=False)
+    fn = item.obj
+    if inspect.isasyncgenfunction(fn):
+        pytest.fail("aiocoll: a @pytest.mark.world test must be a function or a coroutine function", pytrace=False)
+    item.stash[_RUN] = _WorldRun(fn, world, timeout, loop)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run a marked test's body on every rank; first, so pytest-asyncio's auto mode does not run it."""
+    __tracebackhide__ = True
+    run = pyfuncitem.stash.get(_RUN, None)
+    if run is None:
+        return None
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    fn = run.fn
+    results: list[Any]
+    if inspect.iscoroutinefunction(fn):
+
+        async def async_rank(c: Comm) -> Any:
+            return await fn(**_with_comm(args, c))
+
+        results = _AsyncWorld(async_rank, run).result()
+    else:
+
+        def sync_rank(c: Comm) -> Any:
+            return fn(**_with_comm(args, c))
+
+        results = _SyncWorld(sync_rank, run).result()
+    returned = [rank for rank, r in enumerate(results) if r is not None]
+    if returned:
+        # as pytest says it for a test that returns something
+        warnings.warn(
+            pytest.PytestReturnNotNoneWarning(
+                f"Test functions should return None, but {pyfuncitem.nodeid} returned a value on ranks {returned}."
+            ),
+            stacklevel=1,
+        )
+    return True
+
+
+def _with_comm(args: dict[str, Any], c: Comm) -> dict[str, Any]:
+    return {**args, "comm": c} if "comm" in args else args
+
+
+class _SyncWorld:
+    """A world of thread ranks whose loop runs on a helper thread, so this thread can be interrupted.
+
+    Ranks in threads cannot be stopped: when pytest-timeout's signal (or ^C) interrupts
+    the test, the world is cancelled, which releases every rank waiting in a
+    collective, but a rank stuck elsewhere never returns. Waiting for it on this
+    thread would hang the session; from here the test is reported, with the traceback
+    of the rank that kept the others waiting, and stuck ranks are left behind.
+    """
+
+    def __init__(self, fn: Callable[[Comm], Any], run: _WorldRun) -> None:
+        self._fn = fn
+        self._run = run
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._task: asyncio.Task[Any] | None = None
+        self._results: list[Any] = []
+        self._error: BaseException | None = None
+
+    def result(self) -> list[Any]:
+        __tracebackhide__ = True
+        before = set(threading.enumerate())
+        threading.Thread(target=self._main, name="aiocoll world loop", daemon=True).start()
+        try:
+            while not self._done.wait(0.5):  # a timeout, so ^C gets through on every platform
+                pass
+        except BaseException as interrupt:
+            # where each rank is now: one busy outside a collective is why the others waited
+            busy = {r: tb for r, tb in self._ranks(before).items() if not _in_collective(tb)}
+            self._cancel()
+            if not self._done.wait(_GRACE):
+                stuck = self._ranks(before)
+                it = (
+                    "a thread cannot be stopped, so it was"
+                    if len(stuck) == 1
+                    else "threads cannot be stopped, so they were"
+                )
+                _blame(interrupt, stuck, self._run.world, f"still running ({{where}}); {it} left running")
+            else:
+                _blame(interrupt, busy, self._run.world, "running ({where}); every rank has ended since")
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def _ranks(self, before: set[threading.Thread]) -> dict[int, TracebackType]:
+        """The stack of each rank thread of this world still alive, as a traceback."""
+        frames = sys._current_frames()
+        stacks: dict[int, TracebackType] = {}
+        for t in threading.enumerate():
+            if t not in before and t.is_alive() and re.fullmatch(r"aiocoll rank \d+", t.name):
+                tb = _traceback(_outward(frames.get(t.ident or -1)))
+                if tb is not None:
+                    stacks[int(t.name.rsplit(" ", 1)[1])] = tb
+        return stacks
+
+    def _main(self) -> None:
+        async def main() -> list[Any]:
+            with self._lock:
+                if self._cancelled:
+                    raise asyncio.CancelledError
+                self._task = asyncio.current_task()
+            return await spawn_async(self._fn, self._run.world, timeout=self._run.timeout)
+
+        try:
+            with asyncio.Runner(loop_factory=_loop_factory(self._run.loop)) as runner:
+                self._results = runner.run(main())
+        except BaseException as e:  # re-raised on the test's thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def _cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            task = self._task
+        if task is not None:
+            # RuntimeError: the loop closed meanwhile, the world has ended anyway
+            with contextlib.suppress(RuntimeError):
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
+class _AsyncWorld:
+    """A world of task ranks on a new loop on this thread, so pytest-timeout's signal reaches a busy rank.
+
+    A signal that arrives while the loop is idle raises out of ``select`` on asyncio's
+    loop, but uvloop runs signal handlers in a callback and would only log what they
+    raise (the test would hang): this loop's exception handler takes it and cancels
+    the world. Either way the test is reported where a rank that kept the others
+    waiting is.
+    """
+
+    def __init__(self, fn: Callable[[Comm], Coroutine[Any, Any, Any]], run: _WorldRun) -> None:
+        self._fn = fn
+        self._run = run
+        self._main: asyncio.Task[Any] | None = None
+        self._interrupt: BaseException | None = None
+        self._busy: dict[int, TracebackType] = {}
+
+    def result(self) -> list[Any]:
+        __tracebackhide__ = True
+        with asyncio.Runner(loop_factory=self._new_loop) as runner:
+            try:
+                results = runner.run(self._world())
+                if self._interrupt is None:
+                    return results
+                interrupt = self._interrupt  # came as the world was ending: still, the test was cut short
+            except asyncio.CancelledError:
+                if self._interrupt is None:
+                    raise
+                interrupt = self._interrupt
+            except BaseException as e:
+                if isinstance(e, Exception):
+                    raise  # the test's failure, as spawn reports it
+                interrupt, self._busy = e, self._ranks(runner.get_loop())
+        _blame(interrupt, self._busy, self._run.world, "running ({where}); every rank was cancelled")
+        raise interrupt
+
+    async def _world(self) -> list[Any]:
+        self._main = asyncio.current_task()
+        return await spawn_async(self._fn, self._run.world, timeout=self._run.timeout)
+
+    def _new_loop(self) -> asyncio.AbstractEventLoop:
+        loop = _loop_factory(self._run.loop)()
+        loop.set_exception_handler(self._on_error)
+        return loop
+
+    def _on_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        interrupted = isinstance(exc, BaseException) and not isinstance(exc, (Exception, asyncio.CancelledError))
+        if interrupted and self._main is not None and self._interrupt is None:
+            self._interrupt, self._busy = exc, self._ranks(loop)
+            self._main.cancel()
+            return
+        loop.default_exception_handler(context)
+
+    def _ranks(self, loop: asyncio.AbstractEventLoop) -> dict[int, TracebackType]:
+        """Where each rank task awaits, as a traceback; only the ranks busy outside a collective."""
+        stacks: dict[int, TracebackType] = {}
+        for task in asyncio.all_tasks(loop):
+            if re.fullmatch(r"aiocoll rank \d+", task.get_name()):
+                tb = _traceback(_awaiting(task.get_coro()))
+                if tb is not None and not _in_collective(tb):
+                    stacks[int(task.get_name().rsplit(" ", 1)[1])] = tb
+        return stacks
+
+
+def _outward(frame: FrameType | None) -> list[FrameType]:
+    """A thread's frames, outermost first."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _awaiting(coro: object) -> list[FrameType]:
+    """A suspended coroutine's frames, down the chain of what each awaits, outermost first."""
+    frames = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
+def _traceback(frames: list[FrameType]) -> TracebackType | None:
+    """A traceback through ``frames`` (outermost first), as if the innermost had raised."""
+    tb = None
+    for frame in reversed(frames):
+        tb = TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+    return tb
+
+
+def _blame(interrupt: BaseException, ranks: dict[int, TracebackType], world: int, state: str) -> None:
+    """Report ``interrupt`` where the first of ``ranks`` is, as if that rank had raised it.
+
+    ``state`` ends the note: "running ({where}); ...", where ``{where}`` says whose traceback it is.
+    """
+    if not ranks:
+        return
+    first, listed = min(ranks), sorted(ranks)
+    interrupt.with_traceback(ranks[first])
+    if len(listed) == 1:
+        who, where = f"rank {first} of {world} was", "the traceback shows where"
+    else:
+        who, where = f"ranks {listed} of {world} were", f"the traceback shows where rank {first} is"
+    interrupt.add_note(f"aiocoll: the test was interrupted while {who} {state.format(where=where)}")
+
+
+# -- the report -----------------------------------------------------------------------
+
+_RAISED = re.compile(r"aiocoll: raised on rank (\d+) of a world of (\d+)")
+_STUCK = re.compile(r"aiocoll: the test was interrupted while ranks? \[?([\d, ]+)\]? of (\d+) w")
+_SAME = re.compile(r"aiocoll: ranks \[([\d, ]*)\] raised the same (\w+)")
+
+
+def _dirs(*paths: str | None) -> tuple[str, ...]:
+    """Prefixes of the files under these directories, as written and with links resolved."""
+    return tuple({p + os.sep for d in paths if d for p in (os.path.abspath(d), str(Path(d).resolve()))})
+
+
+# the frames that end the traceback of an aiocoll error are dropped from these
+_LIBRARIES = _dirs(os.path.dirname(__file__), os.path.dirname(torch.__file__ or ""))
+# a rank whose stack ends in these (a lock, a sleep) is busy where it called them
+_STDLIB = _dirs(sysconfig.get_paths()["stdlib"])
+_SITE = _dirs(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    ours = call.when == "call" and call.excinfo is not None and _RUN in item.stash
+    if ours and call.excinfo is not None and isinstance(call.excinfo.value, AiocollError):
+        _hide_aiocoll_frames(item)
+    report = yield
+    if ours and call.excinfo is not None and report.failed:
+        header = _header(call.excinfo.value)
+        if header is not None:
+            _prepend(report, header)
+    return report
+
+
+def _in_collective(tb: TracebackType) -> bool:
+    """Whether a rank's stack ends in aiocoll or torch (a collective), past any stdlib frame (a lock)."""
+    frames = []
+    cur: TracebackType | None = tb
+    while cur is not None:
+        frames.append(cur.tb_frame.f_code.co_filename)
+        cur = cur.tb_next
+    for path in reversed(frames):
+        if path.startswith(_LIBRARIES):
+            return True
+        # site-packages may sit inside the stdlib's directory (no virtualenv)
+        if not path.startswith(_STDLIB) or path.startswith(_SITE):
+            return False
+    return True
+
+
+def _hide_aiocoll_frames(item: pytest.Item) -> None:
+    """End the traceback of aiocoll's own errors at the caller's line, as pytest hides its frames.
+
+    A mismatch, deadlock or timeout says all in its message; the frames of aiocoll and
+    torch.distributed after the test's ``await comm.all_reduce(t)`` (or
+    ``dist.all_reduce(t)``) would only push it down. ``--full-trace`` shows them.
+    """
+    base = getattr(type(item), "_traceback_filter", None)  # pytest's own filter (cut to the test)
+    if base is None:
+        return
+
+    def tbfilter(excinfo: ExceptionInfo[BaseException]) -> Traceback:
+        tb: Traceback = base(item, excinfo)
+        kept = list(tb)
+        while kept and str(kept[-1].path).startswith(_LIBRARIES):
+            kept.pop()
+        if not kept:
+            return tb
+        # the last entry carries the error: in full, even if it was a middle one before
+        return Traceback((*kept[:-1], kept[-1].with_repr_style(None)))
+
+    item._traceback_filter = tbfilter  # type: ignore[method-assign]
+
+
+def _header(exc: BaseException) -> str | None:
+    """``rank 2 of 4 failed``, from the notes spawn adds to the exception it re-raises."""
+    notes = [str(n) for n in getattr(exc, "__notes__", ())]
+    for m in map(_STUCK.match, notes):
+        if m:
+            ranks = [int(r) for r in m[1].split(",")]
+            if len(ranks) == 1:
+                return f"rank {ranks[0]} of {m[2]} was running when the test was interrupted"
+            listed = ", ".join(map(str, ranks))
+            return f"ranks {listed} of {m[2]} were running when the test was interrupted; rank {ranks[0]}'s traceback:"
+    raised = [m for m in map(_RAISED.fullmatch, notes) if m]
+    if not raised:
+        return None
+    rank, size = int(raised[-1][1]), int(raised[-1][2])  # the last: the outermost world, this test's
+    for m in map(_SAME.fullmatch, notes):
+        if m:
+            ranks = sorted([rank, *(int(r) for r in m[1].split(",") if r.strip())])
+            return (
+                f"ranks {', '.join(map(str, ranks))} of {size} failed with the same {m[2]}; "
+                f"the traceback of rank {rank}:"
+            )
+    return f"rank {rank} of {size} failed"
+
+
+def _prepend(report: pytest.TestReport, header: str) -> None:
+    longrepr = report.longrepr
+    if isinstance(longrepr, ExceptionChainRepr):
+        # A chain element of its own, before the exception's: pytest and xdist carry it
+        # as they carry tracebacks, and the summary line still reads the exception.
+        new = ExceptionChainRepr([(ReprTracebackNative([header + "\n"]), None, None), *longrepr.chain])
+        new.sections.extend(longrepr.sections)
+        report.longrepr = new
+    elif isinstance(longrepr, str):
+        report.longrepr = f"{header}\n{longrepr}"
