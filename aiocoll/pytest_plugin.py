@@ -62,7 +62,7 @@ from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackN
 
 from ._comm import Comm
 from ._errors import AiocollError
-from ._spawn import _loop_factory, spawn_async
+from ._spawn import DEFAULT_RECORD, _loop_factory, spawn_async
 
 __all__ = ["DEFAULT_TEST_TIMEOUT", "DEFAULT_WORLD", "comm"]
 
@@ -90,6 +90,9 @@ class _Settings:
     timeout: float | None
     timeout_configured: bool  # by the user: then pytest-timeout's value does not lower it
     loop: _Loop
+    record: int = DEFAULT_RECORD  # flight-recorder entries per rank (failure reports)
+    trace_dir: Path | None = None  # where to write each marked test's trace, if anywhere
+    trace_always: bool = False  # keep the traces of passing tests too
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class _WorldRun:
     world: int
     timeout: float | None
     loop: _Loop
+    record: int = DEFAULT_RECORD
+    trace: Path | None = None  # this test's trace file
+    trace_always: bool = False
 
 
 _SETTINGS = pytest.StashKey[_Settings]()
@@ -132,7 +138,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=_LOOPS,
         help="event loop of the ranks: auto (uvloop when installed, the default), asyncio or uvloop",
     )
+    group.addoption(
+        "--aiocoll-record",
+        dest="aiocoll_record",
+        metavar="N",
+        help=f"operations per rank the flight recorder keeps for failure reports, 0 for off (default {DEFAULT_RECORD})",
+    )
+    group.addoption(
+        "--aiocoll-trace",
+        dest="aiocoll_trace",
+        metavar="DIR",
+        help="write a Chrome/Perfetto trace of each failing @pytest.mark.world test into DIR",
+    )
+    group.addoption(
+        "--aiocoll-trace-always",
+        dest="aiocoll_trace_always",
+        action="store_const",
+        const="true",
+        help="with --aiocoll-trace: keep the traces of passing tests too",
+    )
     parser.addini("aiocoll_world", "aiocoll: ranks of a test marked @pytest.mark.world without a size", default="")
+    parser.addini("aiocoll_record", "aiocoll: flight-recorder operations kept per rank, 0 for off", default="")
+    parser.addini("aiocoll_trace", "aiocoll: directory for the traces of failing world tests", default="")
+    parser.addini("aiocoll_trace_always", "aiocoll: true to keep the traces of passing tests too", default="")
     parser.addini("aiocoll_timeout", "aiocoll: seconds a rank may wait in one collective, or 'none'", default="")
     parser.addini("aiocoll_loop", "aiocoll: event loop of the ranks: auto, asyncio or uvloop", default="")
 
@@ -157,12 +185,16 @@ def _read_settings(config: pytest.Config) -> _Settings:
         return (f"ini setting {name}", ini) if ini else None
 
     world, timeout, loop = value("aiocoll_world"), value("aiocoll_timeout"), value("aiocoll_loop")
+    record, trace, always = value("aiocoll_record"), value("aiocoll_trace"), value("aiocoll_trace_always")
     try:
         return _Settings(
             world=DEFAULT_WORLD if world is None else _parse_world(world[1], world[0]),
             timeout=DEFAULT_TEST_TIMEOUT if timeout is None else _parse_timeout(timeout[1], timeout[0]),
             timeout_configured=timeout is not None,
             loop="auto" if loop is None else _parse_loop(loop[1], loop[0]),
+            record=DEFAULT_RECORD if record is None else _parse_record(record[1], record[0]),
+            trace_dir=None if trace is None else Path(trace[1]),
+            trace_always=always is not None and always[1].lower() in ("1", "true", "yes", "on"),
         )
     except ValueError as e:
         raise pytest.UsageError(f"aiocoll: {e}") from None
@@ -188,6 +220,22 @@ def _parse_timeout(raw: object, where: str) -> float | None:
     if not t > 0:
         raise ValueError(f"{where}: the timeout must be a positive number of seconds or 'none', got {raw!r}")
     return t
+
+
+def _parse_record(raw: object, where: str) -> int:
+    try:
+        n = int(str(raw))
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{where}: the flight-recorder size must be an int >= 0, got {raw!r}")
+    return n
+
+
+def _trace_path(item: pytest.Item, directory: Path) -> Path:
+    """A file name for the item's trace, unique per test and readable."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid).strip("_")
+    return directory / f"{name}.json"
 
 
 def _parse_loop(raw: object, where: str) -> _Loop:
@@ -269,7 +317,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     fn = item.obj
     if inspect.isasyncgenfunction(fn):
         pytest.fail("aiocoll: a @pytest.mark.world test must be a function or a coroutine function", pytrace=False)
-    item.stash[_RUN] = _WorldRun(fn, world, timeout, loop)
+    trace = None if settings.trace_dir is None else _trace_path(item, settings.trace_dir)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+    item.stash[_RUN] = _WorldRun(fn, world, timeout, loop, settings.record, trace, settings.trace_always)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -282,18 +333,25 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     fn = run.fn
     results: list[Any]
-    if inspect.iscoroutinefunction(fn):
+    try:
+        if inspect.iscoroutinefunction(fn):
 
-        async def async_rank(c: Comm) -> Any:
-            return await fn(**_with_comm(args, c))
+            async def async_rank(c: Comm) -> Any:
+                return await fn(**_with_comm(args, c))
 
-        results = _AsyncWorld(async_rank, run).result()
-    else:
+            results = _AsyncWorld(async_rank, run).result()
+        else:
 
-        def sync_rank(c: Comm) -> Any:
-            return fn(**_with_comm(args, c))
+            def sync_rank(c: Comm) -> Any:
+                return fn(**_with_comm(args, c))
 
-        results = _SyncWorld(sync_rank, run).result()
+            results = _SyncWorld(sync_rank, run).result()
+    except BaseException:
+        if run.trace is not None and run.trace.exists():
+            pyfuncitem.add_report_section("call", "aiocoll trace", f"written to {run.trace}")
+        raise
+    if run.trace is not None and not run.trace_always:
+        run.trace.unlink(missing_ok=True)  # on failure only: this test passed
     returned = [rank for rank, r in enumerate(results) if r is not None]
     if returned:
         # as pytest says it for a test that returns something
@@ -373,7 +431,9 @@ class _SyncWorld:
                 if self._cancelled:
                     raise asyncio.CancelledError
                 self._task = asyncio.current_task()
-            return await spawn_async(self._fn, self._run.world, timeout=self._run.timeout)
+            return await spawn_async(
+                self._fn, self._run.world, timeout=self._run.timeout, record=self._run.record, trace=self._run.trace
+            )
 
         try:
             with asyncio.Runner(loop_factory=_loop_factory(self._run.loop)) as runner:
@@ -431,7 +491,9 @@ class _AsyncWorld:
 
     async def _world(self) -> list[Any]:
         self._main = asyncio.current_task()
-        return await spawn_async(self._fn, self._run.world, timeout=self._run.timeout)
+        return await spawn_async(
+            self._fn, self._run.world, timeout=self._run.timeout, record=self._run.record, trace=self._run.trace
+        )
 
     def _new_loop(self) -> asyncio.AbstractEventLoop:
         loop = _loop_factory(self._run.loop)()

@@ -502,3 +502,45 @@ def test_with_pytest_timeout(pytester: pytest.Pytester) -> None:
             "E           aiocoll: the test was interrupted while rank 1 of 2 was running *; every rank has ended since",
         ]
     )
+
+
+TRACED = """
+@pytest.mark.world(2)
+async def test_passes(comm):
+    await comm.barrier()
+
+@pytest.mark.world(2)
+async def test_fails(comm):
+    if comm.rank == 1:
+        await comm.broadcast(torch.ones(1), src=0)
+    else:
+        await comm.all_reduce(torch.ones(1))
+"""
+
+
+def test_traces_of_failing_tests_only(pytester: pytest.Pytester) -> None:
+    _setup(pytester, TRACED)
+    result = pytester.runpytest("--aiocoll-trace=traces")
+    result.assert_outcomes(passed=1, failed=1)
+    files = sorted(p.name for p in (pytester.path / "traces").iterdir())
+    assert files == ["test_it.py_test_fails.json"]
+    result.stdout.fnmatch_lines(["*aiocoll trace*", "written to *test_it.py_test_fails.json"])
+    # the report of the failure carries the flight recorder's table
+    result.stdout.fnmatch_lines(["*aiocoll: flight recorder*", "*world #0*all_reduce SUM f32[[]1[]] MISMATCH*"])
+
+
+def test_traces_always_and_recorder_off(pytester: pytest.Pytester) -> None:
+    _setup(pytester, TRACED, INI + "aiocoll_trace = out\naiocoll_trace_always = true\naiocoll_record = 0\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    assert sorted(p.name for p in (pytester.path / "out").iterdir()) == [
+        "test_it.py_test_fails.json",
+        "test_it.py_test_passes.json",
+    ]
+    # record=0 turns the recorder off, but a trace still records everything
+    result.stdout.fnmatch_lines(["*aiocoll: flight recorder*"])
+    result = pytester.runpytest("--aiocoll-record=0", "-p", "no:cacheprovider", "-o", "aiocoll_trace=")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "aiocoll: flight recorder" not in result.stdout.str()
+    result = pytester.runpytest("--aiocoll-record=-1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
