@@ -399,6 +399,21 @@ def test_spawn_async_on_trio_says_it_needs_asyncio() -> None:
     assert "trio" in message, message
 
 
+def test_spawn_in_a_trio_task_is_refused() -> None:
+    trio = _trio()
+    ran: list[int] = []
+
+    async def fn(comm: Comm) -> None:
+        ran.append(comm.rank)
+
+    async def main() -> None:
+        aiocoll.spawn(fn, 2)  # would block trio's loop until the world ends
+
+    with pytest.raises(RuntimeError, match=r"would block trio's event loop.*trio.to_thread.run_sync"):
+        trio.run(main)
+    assert ran == []
+
+
 def test_trio_runs_spawn_in_a_worker_thread() -> None:
     trio = _trio()
     started = threading.Event()
