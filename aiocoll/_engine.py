@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import CodeType
 from typing import Any
 
@@ -563,12 +563,19 @@ class World:
     def post(self, work: Work) -> Work:
         """Enter ``work`` into the engine: a collective, a send or a recv. Loop thread only."""
         call = work._call
-        if isinstance(call, Send):
-            self._send(work)
-        elif isinstance(call, Recv):
-            self._recv(work)
-        else:
+        if not isinstance(call, Send | Recv):
             self._join(work)
+            return work
+        # p2p: no sequence number; its own stamp, as both sides may finish at other times
+        if work._rank.record is not None:
+            work._stamp = Stamp()
+            work._rank.record.append((work._group.name, None, call.describe(), work._site, _now(), work._stamp))
+        if self.aborted is not None:
+            work._resolve(exc=self._aborted_error())
+        elif isinstance(call, Send):
+            self._send(work)
+        else:
+            self._recv(work)
         return work
 
     def park(self, work: Work, st: RankState | None = None) -> None:
@@ -757,21 +764,8 @@ class World:
 
     # -- point to point --------------------------------------------------------------
 
-    def _record(self, work: Work, sig: Hashable) -> None:
-        """Append ``work`` to its rank's flight record (the world records)."""
-        rec, stamp = self.recorder, work._stamp
-        assert rec is not None
-        assert stamp is not None
-        rec.ranks[work._rank.rank].append((work._group.name, work._seq, sig, work._site, _now(), stamp))
-
     def _send(self, work: Work) -> None:
         group, src, call = work._group, work._grank, work._call
-        if self.recorder is not None:
-            work._stamp = Stamp()
-            self._record(work, call.describe())
-        if self.aborted is not None:
-            work._resolve(exc=self._aborted_error())
-            return
         key = (call.dst, call.tag)
         recvs = group.recvs.get(key)
         if recvs:
@@ -786,12 +780,6 @@ class World:
 
     def _recv(self, work: Work) -> None:
         group, dst, call = work._group, work._grank, work._call
-        if self.recorder is not None:
-            work._stamp = Stamp()
-            self._record(work, call.describe())
-        if self.aborted is not None:
-            work._resolve(exc=self._aborted_error())
-            return
         by_src = group.sends.get((dst, call.tag))
         if by_src:
             if call.src is not None:
