@@ -114,7 +114,7 @@ class RankState:
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
-        self.record: deque[Any] | None = None  # its flight-recorder ring, when the world records
+        self.record: deque[Stamp] | None = None  # its flight-recorder ring, when the world records
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
 
@@ -492,12 +492,13 @@ class Rendezvous:
 class Group:
     """A set of global ranks that run collectives together, in group-rank order."""
 
-    __slots__ = ("_children", "name", "next_seq", "pending", "ranks", "recvs", "sends", "size", "world")
+    __slots__ = ("_children", "index", "name", "next_seq", "pending", "ranks", "recvs", "sends", "size", "world")
 
     def __init__(self, world: World, name: str, ranks: Sequence[int]) -> None:
         self.world = world
         self.name = name
         self.ranks = tuple(ranks)
+        self.index = {g: i for i, g in enumerate(self.ranks)}  # global rank -> group-rank
         self.size = len(self.ranks)
         self.next_seq = [0] * self.size
         self.pending: dict[int, Rendezvous] = {}
@@ -567,9 +568,13 @@ class World:
             self._join(work)
             return work
         # p2p: no sequence number; its own stamp, as both sides may finish at other times
-        if work._rank.record is not None:
-            work._stamp = Stamp()
-            work._rank.record.append((work._group.name, None, call.describe(), work._site, _now(), work._stamp))
+        ring = work._rank.record
+        if ring is not None:
+            stamp = work._stamp = Stamp(work._group.name, {work._rank.rank: 0}, None, call.describe(), 1)
+            stamp.arrived[0] = _now()
+            if work._site is not None:
+                stamp.files[0], stamp.lines[0] = work._site
+            ring.append(stamp)
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
         elif isinstance(call, Send):
@@ -648,18 +653,25 @@ class World:
             if self.timeout is not None:
                 rdv.timer = self.loop.call_later(self.timeout, self._timed_out, rdv)
             if self.recorder is not None:
-                rdv.stamp = Stamp()
+                rdv.stamp = Stamp(group.name, group.index, seq, sig, group.size)
         else:
             sig = call.signature()
-            if not rdv.mismatched and sig != rdv.sig:
-                # Report once every rank has shown what it called, or as soon as the
-                # missing ones are blocked elsewhere (see _check_deadlock).
-                rdv.mismatched = True
-                self._mismatched.append(rdv)
+            if sig != rdv.sig:
+                if not rdv.mismatched:
+                    # Report once every rank has shown what it called, or as soon as the
+                    # missing ones are blocked elsewhere (see _check_deadlock).
+                    rdv.mismatched = True
+                    self._mismatched.append(rdv)
+                if rdv.stamp is not None:
+                    rdv.stamp.sigs = rdv.stamp.sigs or {}
+                    rdv.stamp.sigs[grank] = sig
         stamp = rdv.stamp
         if stamp is not None:  # the flight recorder is on (inlined: this is the hot path)
             work._stamp = stamp
-            work._rank.record.append((group.name, seq, sig, work._site, _now(), stamp))  # type: ignore[union-attr]
+            stamp.arrived[grank] = _now()
+            if work._site is not None:
+                stamp.files[grank], stamp.lines[grank] = work._site
+            work._rank.record.append(stamp)  # type: ignore[union-attr]
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work

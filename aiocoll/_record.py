@@ -1,10 +1,12 @@
 """The flight recorder: what every rank called, when, and how long it waited.
 
-The engine appends one entry per rank per operation, in a ring of the last ``capacity``
-entries per rank (or all of them, when a trace file is wanted). Entries of one
-collective share a ``Stamp`` holding the collective's timing: when the last rank
-arrived and when the op completed. Recording costs a tuple and a clock read per rank
-per op, so it stays on by default.
+The engine keeps one ``Stamp`` per operation (per collective, or per p2p call): what
+was called, each rank's arrival time and call site, when the last rank arrived and
+when it completed. Each rank's ring holds the stamps of its last ``capacity``
+operations (or all of them, when a trace file is wanted). Per rank per op that is a
+clock read and a few stores into lists the stamp already holds: no object is made per
+rank, so the garbage collector, which would otherwise scan every entry kept alive,
+does not slow big worlds down. It stays on by default.
 
 When a run fails, ``report()`` renders the last entries of every rank side by side,
 aligned by group and sequence number, so it shows where the ranks diverged. ``trace()``
@@ -26,21 +28,34 @@ __all__ = ["Recorder", "Stamp", "format_signature", "summarize_trace"]
 
 
 class Stamp:
-    """The timing of one collective (or p2p match), shared by the entries of its ranks.
+    """The record of one operation, shared by the rings of the ranks that took part.
 
-    ``last``: when the last rank arrived; ``done``: when the op completed or failed;
-    ``outcome``: None while pending, "ok", or the error's type name.
+    Per group-rank: ``arrived`` (clock), ``files``/``lines`` (call site) and, when they
+    differ from ``sig`` (a mismatch), ``sigs``. ``last``: when the last rank arrived;
+    ``done``: when it completed or failed; ``outcome``: None while pending, "ok", or
+    the error's type name. ``index`` maps a global rank to its group-rank.
     """
 
-    # Class-level defaults instead of an __init__: one is made per collective on the
-    # hot path, and this makes that a bare allocation.
-    last: float | None = None
-    done: float | None = None
-    outcome: str | None = None
+    __slots__ = ("arrived", "done", "files", "group", "index", "last", "lines", "outcome", "seq", "sig", "sigs")
+
+    def __init__(self, group: str, index: dict[int, int], seq: int | None, sig: Hashable, size: int) -> None:
+        self.group = group
+        self.index = index
+        self.seq = seq  # None for p2p
+        self.sig = sig
+        self.sigs: dict[int, Hashable] | None = None
+        self.arrived = [0.0] * size
+        self.files = [""] * size
+        self.lines = [0] * size
+        self.last: float | None = None
+        self.done: float | None = None
+        self.outcome: str | None = None
+
+    def sig_of(self, grank: int) -> Hashable:
+        return self.sig if self.sigs is None else self.sigs.get(grank, self.sig)
 
 
-# An entry: (group name, sequence number or None for p2p, signature, call site, arrival time, stamp)
-Entry = tuple[str, int | None, Hashable, tuple[str, int] | None, float, Stamp]
+Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
 
 
 class Recorder:
@@ -48,7 +63,7 @@ class Recorder:
 
     def __init__(self, size: int, capacity: int | None) -> None:
         self.capacity = capacity
-        self.ranks: list[deque[Entry]] = [deque(maxlen=capacity) for _ in range(size)]
+        self.ranks: list[deque[Stamp]] = [deque(maxlen=capacity) for _ in range(size)]
         self.t0 = time.perf_counter()
 
     def __repr__(self) -> str:
@@ -68,18 +83,17 @@ class Recorder:
         p2p_index = 0
         for rank in shown:
             ring = self.ranks[rank]
-            for entry in list(ring)[-last:]:
-                group, seq = entry[0], entry[1]
+            for stamp in list(ring)[-last:]:
                 key: tuple[str, int | None, int]
-                if seq is None:  # p2p: no common sequence, one row each
+                if stamp.seq is None:  # p2p: no common sequence, one row each
                     p2p_index += 1
-                    key = (group, None, p2p_index)
+                    key = (stamp.group, None, p2p_index)
                 else:
-                    key = (group, seq, 0)
-                rows.setdefault(key, {})[rank] = entry
+                    key = (stamp.group, stamp.seq, 0)
+                rows.setdefault(key, {})[rank] = (stamp, stamp.index[rank])
         if not rows:
             return "aiocoll: flight recorder: no operation was recorded"
-        order = sorted(rows, key=lambda k: min(e[4] for e in rows[k].values()))
+        order = sorted(rows, key=lambda k: min(s.arrived[g] for s, g in rows[k].values()))
         texts = {k: {r: _cell(e) for r, e in rows[k].items()} for k in order}
         width = max([len(t) for cells in texts.values() for t in cells.values()] + [6]) + 2
         of = "" if len(shown) == len(self.ranks) else f", {len(shown)} of {len(self.ranks)} ranks"
@@ -97,14 +111,14 @@ class Recorder:
         n = len(self.ranks)
         if n <= max_ranks:
             return list(range(n))
-        unfinished = [r for r, ring in enumerate(self.ranks) if ring and ring[-1][5].outcome != "ok"]
+        unfinished = [r for r, ring in enumerate(self.ranks) if ring and ring[-1].outcome != "ok"]
         picked = unfinished[:max_ranks]
         picked += [r for r in range(n) if r not in picked][: max_ranks - len(picked)]
         return sorted(picked)
 
     def snapshot(self) -> list[list[dict[str, Any]]]:
         """Every recorded entry, per rank, as plain data (times in seconds from the start)."""
-        return [[_entry_dict(e, self.t0) for e in ring] for ring in self.ranks]
+        return [[_entry_dict((s, s.index[r]), self.t0) for s in ring] for r, ring in enumerate(self.ranks)]
 
     def trace(self) -> dict[str, Any]:
         """The recording as a Chrome trace: a track per rank, a slice per op (its wait nested)."""
@@ -113,8 +127,8 @@ class Recorder:
             for r in range(len(self.ranks))
         ]
         for rank, ring in enumerate(self.ranks):
-            for e in ring:
-                d = _entry_dict(e, self.t0)
+            for stamp in ring:
+                d = _entry_dict((stamp, stamp.index[rank]), self.t0)
                 start = d["arrived"]
                 end = d["done"] if d["done"] is not None else d["arrived"]
                 events.append(
@@ -149,13 +163,13 @@ class Recorder:
 
 
 def _entry_dict(e: Entry, t0: float) -> dict[str, Any]:
-    group, seq, sig, site, arrived, stamp = e
+    stamp, g = e
     return {
-        "group": group,
-        "seq": seq,
-        "op": format_signature(sig),
-        "site": None if site is None else f"{site[0]}:{site[1]}",
-        "arrived": arrived - t0,
+        "group": stamp.group,
+        "seq": stamp.seq,
+        "op": format_signature(stamp.sig_of(g)),
+        "site": f"{stamp.files[g]}:{stamp.lines[g]}" if stamp.files[g] else None,
+        "arrived": stamp.arrived[g] - t0,
         "last": None if stamp.last is None else stamp.last - t0,
         "done": None if stamp.done is None else stamp.done - t0,
         "outcome": stamp.outcome or "pending",
@@ -171,15 +185,15 @@ _OUTCOMES = {
 
 
 def _cell(e: Entry) -> str:
-    stamp = e[5]
+    stamp, g = e
     if stamp.outcome is None:
         state = "PENDING"
     elif stamp.outcome == "ok":
-        wait = (stamp.last or e[4]) - e[4]
+        wait = (stamp.last or stamp.arrived[g]) - stamp.arrived[g]
         state = f"ok +{_ms(wait)}" if wait >= 1e-3 else "ok"
     else:
         state = _OUTCOMES.get(stamp.outcome, stamp.outcome)
-    return f"{format_signature(e[2])} {state}"
+    return f"{format_signature(stamp.sig_of(g))} {state}"
 
 
 def _ms(seconds: float) -> str:

@@ -187,10 +187,11 @@ def test_trace_cli(tmp_path: Path) -> None:
 def test_snapshot_and_formatting() -> None:
     rec = Recorder(2, capacity=2)
     assert rec.report() == "aiocoll: flight recorder: no operation was recorded"
-    stamp = Stamp()
+    stamp = Stamp("world", {1: 0}, 4, ("barrier",), 1)
+    stamp.arrived[0], stamp.files[0], stamp.lines[0] = rec.t0 + 0.25, "f.py", 7
     stamp.last, stamp.done, stamp.outcome = rec.t0 + 0.5, rec.t0 + 0.75, "ok"
     for _ in range(3):  # the ring keeps 2
-        rec.ranks[1].append(("world", 4, ("barrier",), ("f.py", 7), rec.t0 + 0.25, stamp))
+        rec.ranks[1].append(stamp)
     snap = rec.snapshot()
     assert snap[0] == []
     assert len(snap[1]) == 2
