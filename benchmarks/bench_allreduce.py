@@ -126,23 +126,25 @@ def measure_aiocoll(world: int, warmup: int, iters: int, loop: Literal["asyncio"
 def measure_sync_adapter(world: int, warmup: int, iters: int) -> float:
     """Seconds per ``dist.all_reduce`` through aiocoll's torch.distributed adapter (ranks in threads)."""
 
-    def rank_fn(comm: aiocoll.Comm) -> float | None:
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        if t.item() != world:
-            raise AssertionError(f"rank {dist.get_rank()}: all_reduce gave {t.item()}, expected {world}")
-        t.zero_()
-        for _ in range(warmup):
-            dist.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(t)
-        elapsed = time.perf_counter() - start
-        return elapsed if dist.get_rank() == 0 else None
+    def rank_fn(comm: aiocoll.Comm) -> float:
+        return timed_dist_all_reduce(dist.get_rank(), world, warmup, iters)
 
-    elapsed = aiocoll.spawn(rank_fn, world=world)[0]
-    assert elapsed is not None
-    return elapsed / iters
+    return aiocoll.spawn(rank_fn, world=world)[0] / iters
+
+
+def timed_dist_all_reduce(rank: int, world: int, warmup: int, iters: int) -> float:
+    """One rank's part, through torch.distributed: a checked all_reduce, the warm-up, the timed loop."""
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if t.item() != world:
+        raise AssertionError(f"rank {rank}: all_reduce gave {t.item()}, expected {world}")
+    t.zero_()
+    for _ in range(warmup):
+        dist.all_reduce(t)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t)
+    return time.perf_counter() - start
 
 
 # -- torch's threaded process group ----------------------------------------------------------------------
@@ -177,18 +179,9 @@ def measure_threaded_pg(world: int, warmup: int, iters: int) -> float:
                 "threaded", rank=rank, world_size=world, store=store, timeout=timedelta(seconds=PG_JOIN_TIMEOUT)
             )
             try:
-                t = torch.ones(1)
-                dist.all_reduce(t)
-                if t.item() != world:
-                    raise AssertionError(f"rank {rank}: all_reduce gave {t.item()}, expected {world}")
-                t.zero_()
-                for _ in range(warmup):
-                    dist.all_reduce(t)
-                start = time.perf_counter()
-                for _ in range(iters):
-                    dist.all_reduce(t)
+                took = timed_dist_all_reduce(rank, world, warmup, iters)
                 if rank == 0:
-                    elapsed.append(time.perf_counter() - start)
+                    elapsed.append(took)
             finally:
                 dist.destroy_process_group()
         except BaseException as e:
