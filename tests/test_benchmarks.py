@@ -45,3 +45,18 @@ def test_bench_allreduce_quick() -> None:
     for cell in (pg_aio, pg_uv, pg_sync):
         assert cell == "n/a" or cell.endswith("x"), rows[0]
     assert "total time" in proc.stdout
+
+
+def test_bench_recorder_quick() -> None:
+    script = BENCH_ALLREDUCE.parent / "bench_recorder.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--worlds", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["world", "iters", "off", "us", "on", "us", "on/off"]
+    world, iters, off, on, ratio = lines[2].split()
+    assert (world, iters) == ("2", "20")
+    assert float(off) > 0
+    assert float(on) > 0
+    assert ratio.endswith("x")
