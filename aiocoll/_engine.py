@@ -1006,32 +1006,34 @@ class World:
             lines.append(line)
         return "\n".join(lines)
 
+    @staticmethod
+    def _peers(w: Work) -> tuple[str, list[int]]:
+        """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
+        g, call = w._group, w._call
+        if w._rdv is not None:
+            return "collective", [g.ranks[r] for r in w._rdv.missing()]
+        if isinstance(call, Recv):
+            return "recv", [] if call.src is None else [g.ranks[call.src]]
+        if isinstance(call, Send):
+            return "send", [g.ranks[call.dst]]
+        return "other", []
+
     def _waits_for(self, st: RankState) -> list[int]:
         """The global ranks whose calls the works ``st`` waits on still need."""
-        out: set[int] = set()
-        for w in st.waiting:
-            g, call = w._group, w._call
-            if w._rdv is not None:
-                out.update(g.ranks[r] for r in w._rdv.missing())
-            elif isinstance(call, Recv) and call.src is not None:
-                out.add(g.ranks[call.src])
-            elif isinstance(call, Send):
-                out.add(g.ranks[call.dst])
-        return sorted(out)
+        return sorted({r for w in st.waiting for r in self._peers(w)[1]})
 
     def _waiting_for(self, st: RankState) -> str:
         if not st.blocked:
             return ""
         parts = []
         for w in st.waiting:
-            g, call = w._group, w._call
-            if w._rdv is not None:
-                parts.append(f"waits for ranks {[g.ranks[r] for r in w._rdv.missing()]}")
-            elif isinstance(call, Recv):
-                src = "any rank" if call.src is None else f"rank {g.ranks[call.src]}"
-                parts.append(f"waits for a send from {src}")
-            elif isinstance(call, Send):
-                parts.append(f"waits for rank {g.ranks[call.dst]} to recv")
+            kind, ranks = self._peers(w)
+            if kind == "collective":
+                parts.append(f"waits for ranks {ranks}")
+            elif kind == "recv":
+                parts.append(f"waits for a send from {f'rank {ranks[0]}' if ranks else 'any rank'}")
+            elif kind == "send":
+                parts.append(f"waits for rank {ranks[0]} to recv")
         return "; ".join(parts)
 
     def pending_works(self) -> list[Work]:
