@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import functools
 import itertools
 import random
 import sys
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import _device
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -545,6 +547,11 @@ class World:
         # works a fault holds back: hung (None) or delayed (the timer that posts them)
         self._held: dict[Work, asyncio.TimerHandle | None] = {}
         self._mismatched: list[Rendezvous] = []
+        # ops run off the loop one at a time (see _serial): the works of the one running,
+        # and the ops that completed their rendezvous behind it
+        self._busy: Sequence[Work | None] | None = None
+        self._queue: deque[tuple[Sequence[Work | None], Callable[[], None]]] = deque()
+        self.inline_bytes = _device.INLINE_BYTES
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -703,16 +710,69 @@ class World:
         if problem is not None:
             self._fail_rendezvous(rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}")
             return
-        try:
-            results = op.run(rdv.calls)
-        except Exception as e:
-            # Arguments were validated before the call joined, so this is unexpected:
-            # keep the original error type for every rank, and abort the world.
-            for w in rdv.works:
-                assert w is not None
-                w._resolve(exc=e)
-            self.abort(None, e)
+        if self._busy is None:  # the common case, inlined: nothing runs off the loop
+            self._execute(rdv, op)
+        else:
+            self._serial(rdv.works, functools.partial(self._execute, rdv, op))
+
+    # -- running ops, in issue order ---------------------------------------------------
+
+    def _serial(self, works: Sequence[Work | None], fn: Callable[[], None]) -> None:
+        """Run ``fn`` now, or after the op running off the loop and those queued behind it.
+
+        Ops complete in the order their rendezvous completed, as they would inline: a
+        rank may issue two collectives on one tensor without awaiting the first.
+        """
+        if self._busy is None and not self._queue:
+            fn()
+        else:
+            self.in_flight += 1  # queued: it will complete, so no deadlock meanwhile
+            self._queue.append((works, fn))
+
+    def _execute(self, rdv: Rendezvous, op: Any) -> None:
+        where = _device.placement(rdv.calls, self.inline_bytes)
+        if where is _device.Placement.INLINE:
+            try:
+                results = op.run(rdv.calls)
+            except Exception as e:
+                self._op_failed(rdv.works, e)
+                return
+            self._finish(rdv, results)
             return
+        self._busy = rdv.works
+        self.in_flight += 1
+        if where is _device.Placement.CUDA:
+            fut = _device.run_cuda(self.loop, op.run, rdv.calls)
+        else:
+            fut = _device.run_in_worker(self.loop, op.run, rdv.calls)
+        fut.add_done_callback(functools.partial(self._ran, rdv))
+
+    def _ran(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
+        """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
+        self._busy = None
+        self.in_flight -= 1
+        exc = fut.exception()
+        if self.aborted is not None:
+            pass  # its ranks were released by the abort
+        elif exc is not None:
+            self._op_failed(rdv.works, exc)
+        else:
+            self._finish(rdv, fut.result())
+        while self._queue and self._busy is None:
+            _, fn = self._queue.popleft()
+            self.in_flight -= 1
+            fn()
+        self._check_deadlock()
+
+    def _op_failed(self, works: Sequence[Work | None], e: BaseException) -> None:
+        # Arguments were validated before the call joined, so this is unexpected: keep the
+        # original error type for every rank, and abort the world.
+        for w in works:
+            assert w is not None
+            w._resolve(exc=e)
+        self.abort(None, e)
+
+    def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
         if self.rng is not None:
             self._resolve_shuffled(rdv.works, results)
         else:
@@ -832,12 +892,16 @@ class World:
             rw._resolve(exc=errs[1])
             self.abort(None, errs[0])
             return
+        if self._busy is None:
+            self._transfer(src, sw, rw)
+        else:
+            self._serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
+
+    def _transfer(self, src: int, sw: Work, rw: Work) -> None:
         try:
             transfer(sw._call, rw._call)
         except Exception as e:
-            sw._resolve(exc=e)
-            rw._resolve(exc=e)
-            self.abort(None, e)
+            self._op_failed((sw, rw), e)
             return
         sw._resolve(None)
         rw._resolve(src)
@@ -932,6 +996,14 @@ class World:
                     for _, w in q:
                         w._resolve(exc=self._aborted_error())
             g.sends.clear()
+        # An op running off the loop cannot be stopped; its ranks are released now, and
+        # what it writes when it ends goes nowhere. Queued ops never start.
+        for works in [self._busy or (), *(ws for ws, _ in self._queue)]:
+            for w in works:
+                if w is not None:
+                    w._resolve(exc=self._aborted_error())
+        self.in_flight -= len(self._queue)
+        self._queue.clear()
         for t in self._p2p_timers.values():
             t.cancel()
         self._p2p_timers.clear()
