@@ -198,6 +198,17 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
     raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
 
 
+def copy_to_all(outs: list[torch.Tensor], src: torch.Tensor) -> None:
+    """``out.copy_(src)`` for every out, in one fused torch call (W small copies cost W calls)."""
+    if outs:
+        torch._foreach_copy_(outs, [src] * len(outs))
+
+
+def _shares_storage(ts: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
+    ptr = out.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == ptr for t in ts)
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -271,8 +282,7 @@ class AllReduce(_Base):
     def run(calls: Sequence[AllReduce]) -> list[None]:
         red = calls[0].op
         res = reduce_tensors([c.tensor for c in calls], red, [c.op.factor for c in calls])
-        for c in calls:
-            c.tensor.copy_(res)
+        copy_to_all([c.tensor for c in calls], res)
         return [None] * len(calls)
 
 
@@ -321,10 +331,8 @@ class Broadcast(_Base):
     @staticmethod
     @torch.no_grad()
     def run(calls: Sequence[Broadcast]) -> list[None]:
-        src = calls[calls[0].src].tensor.clone()
-        for i, c in enumerate(calls):
-            if i != calls[0].src:
-                c.tensor.copy_(src)
+        root = calls[0].src
+        copy_to_all([c.tensor for i, c in enumerate(calls) if i != root], calls[root].tensor.clone())
         return [None] * len(calls)
 
 
@@ -387,10 +395,23 @@ class AllGatherIntoTensor(_Base):
     @torch.no_grad()
     def run(calls: Sequence[AllGatherIntoTensor]) -> list[None]:
         # Concatenation along dim 0 and stacking are the same bytes in row-major order,
-        # so one stacked tensor reshaped to the output's shape serves both layouts.
-        full = torch.stack([c.input for c in calls]).reshape(calls[0].output.shape)
-        for c in calls:
-            c.output.copy_(full)
+        # so rank r's input fills the r-th of len(calls) equal chunks of an output.
+        first = calls[0].output
+        inputs = [c.input for c in calls]
+        outputs = [c.output for c in calls]
+        x0 = inputs[0]
+        in_place_0 = x0.data_ptr() == first.data_ptr() and x0.is_contiguous()  # rank 0 passed chunk 0
+        if first.numel() and first.is_contiguous() and not _shares_storage(inputs[1:] if in_place_0 else inputs, first):
+            # Gather straight into rank 0's output, then copy that to the others: the
+            # bytes the floor moves, with no staging buffer. Rank r > 0 may pass a slice
+            # of its own output (the usual in-place form): it is read before that output
+            # is overwritten. Only inputs inside rank 0's output need the staged path.
+            chunks = first.view(len(calls), -1)
+            torch._foreach_copy_(list(chunks.unbind(0)), [x.reshape(-1) for x in inputs])
+            copy_to_all(outputs[1:], first)
+        else:
+            full = torch.stack(inputs).reshape(first.shape)
+            copy_to_all(outputs, full)
         return [None] * len(calls)
 
 

@@ -885,3 +885,42 @@ def test_ops_write_into_leaves_that_require_grad() -> None:
     outs = [torch.zeros(6, requires_grad=True) for _ in range(3)]
     AllGatherIntoTensor.run([AllGatherIntoTensor(o, t) for o, t in zip(outs, ts, strict=True)])
     assert all(o.tolist() == [6.0] * 6 for o in outs)
+
+
+def _gather_into(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    from aiocoll._ops import AllGatherIntoTensor
+
+    AllGatherIntoTensor.run([AllGatherIntoTensor(o, i) for o, i in zip(outputs, inputs, strict=True)])
+
+
+def test_all_gather_into_tensor_in_place_forms() -> None:
+    # every rank passes the slice of its own output it contributes (FSDP's form)
+    outs = [torch.zeros(6) for _ in range(3)]
+    ins = [o[2 * r : 2 * r + 2] for r, o in enumerate(outs)]
+    for r, x in enumerate(ins):
+        x.fill_(r + 1)
+    _gather_into(ins, outs)
+    for o in outs:
+        assert o.tolist() == [1, 1, 2, 2, 3, 3]
+
+
+def test_all_gather_into_tensor_input_inside_rank0s_output_is_staged() -> None:
+    # rank 1's input lives in rank 0's output, at a chunk that gets overwritten first
+    out0 = torch.zeros(4)
+    out1 = torch.zeros(4)
+    x0 = torch.tensor([7.0, 8.0])
+    x1 = out0[:2]
+    x1.copy_(torch.tensor([5.0, 6.0]))
+    _gather_into([x0, x1], [out0, out1])
+    assert out0.tolist() == [7, 8, 5, 6]
+    assert out1.tolist() == [7, 8, 5, 6]
+
+
+def test_all_gather_into_tensor_2d_and_empty() -> None:
+    ins = [torch.full((2, 3), float(r)) for r in range(2)]
+    outs = [torch.zeros(4, 3) for _ in range(2)]
+    _gather_into(ins, outs)
+    assert outs[1][:, 0].tolist() == [0, 0, 1, 1]
+    empty_outs = [torch.zeros(0) for _ in range(2)]
+    _gather_into([torch.zeros(0), torch.zeros(0)], empty_outs)
+    assert all(o.numel() == 0 for o in empty_outs)
