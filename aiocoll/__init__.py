@@ -28,6 +28,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._faults import Fault, InjectedFault, OpInfo
+from ._pg import from_process_group
 from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
 
 register()  # the torch.distributed backend "aiocoll"
@@ -55,6 +56,7 @@ __all__ = [
     "WorldAbortedError",
     "__version__",
     "find_failing_seed",
+    "from_process_group",
     "rank_generator",
     "settle",
     "spawn",

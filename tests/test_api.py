@@ -32,6 +32,7 @@ def test_public_names() -> None:
         "WorldAbortedError",
         "__version__",
         "find_failing_seed",
+        "from_process_group",
         "rank_generator",
         "settle",
         "spawn",

@@ -1,0 +1,513 @@
+"""``aiocoll.from_process_group``: the same async code on real gloo processes.
+
+One table of Comm calls (``table``) runs twice on a world of 4: in 4 gloo processes on
+127.0.0.1 (this file, run as a script, is the per-rank runner; a FileStore in a temp dir
+does the rendezvous; each rank ``torch.save``s what it got), and in-process with
+``aiocoll.spawn``. Every output is compared exactly. Inputs are small integers and
+halves, so every reduction is exact whatever order gloo adds in.
+
+The same launch then checks what only real processes have: the loop keeps serving other
+tasks while a large all_reduce is in flight, a per-op timeout, and a peer that dies in a
+collective. A second, 2-process launch goes through torchrun with the example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import aiocoll
+
+WORLD = 4
+LAUNCH_TIMEOUT = 120.0
+ROOT = Path(__file__).resolve().parents[1]
+R = dist.ReduceOp
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
+OPS: dict[str, Any] = {
+    "SUM": R.SUM,
+    "AVG": R.AVG,
+    "PRODUCT": R.PRODUCT,
+    "MIN": R.MIN,
+    "MAX": R.MAX,
+    "BAND": R.BAND,
+    "BOR": R.BOR,
+    "BXOR": R.BXOR,
+}
+PG_REJECTS = {f"{kind}/PRODUCT/complex64" for kind in ("all_reduce", "reduce", "reduce_scatter_tensor")}
+"""Entries a process group refuses (InvalidArgumentError) where in-process ranks compute:
+torch.distributed reduces complex tensors as pairs of reals, so it has no complex PRODUCT."""
+
+# -- the table: one async function, run on both engines -------------------------------------
+
+
+def _input(dtype: torch.dtype, rank: int, n: int = 6) -> torch.Tensor:
+    """Small values whose sums, products and averages over 4 ranks are exact in ``dtype``."""
+    base = torch.arange(n) % 3 + rank  # 0..5
+    if dtype == torch.bool:
+        return (base % 2).bool()
+    if dtype.is_complex:
+        return torch.complex(base.float() / 2, -base.float()).to(dtype)
+    if dtype.is_floating_point:
+        return (base.double() / 2).to(dtype)
+    return (base + 1).to(dtype)
+
+
+def _premul(rank: int) -> Any:
+    return dist._make_nccl_premul_sum(0.5 * (rank + 1))
+
+
+async def _attempt(fn: Callable[[], Awaitable[object]]) -> object:
+    try:
+        return await fn()
+    except aiocoll.InvalidArgumentError:
+        return "InvalidArgumentError"
+
+
+async def table(comm: aiocoll.Comm) -> dict[str, object]:
+    """Every kind of call; returns what this rank observed, by entry name."""
+    r, w = comm.rank, comm.world_size
+    out: dict[str, object] = {}
+
+    for dtype in DTYPES:
+        dt = str(dtype).removeprefix("torch.")
+        for name, op in [*OPS.items(), ("PREMUL_SUM", None)]:
+            red = _premul(r) if op is None else op
+
+            async def all_reduce(dtype: torch.dtype = dtype, red: Any = red) -> object:
+                t = _input(dtype, r)
+                await comm.all_reduce(t, red)
+                return t
+
+            async def reduce(dtype: torch.dtype = dtype, red: Any = red) -> object:
+                t = _input(dtype, r)
+                await comm.reduce(t, dst=1, op=red)
+                return t
+
+            async def reduce_scatter_tensor(dtype: torch.dtype = dtype, red: Any = red) -> object:
+                o = torch.zeros(2, dtype=dtype)
+                await comm.reduce_scatter_tensor(o, _input(dtype, r, 2 * w), red)
+                return o
+
+            out[f"all_reduce/{name}/{dt}"] = await _attempt(all_reduce)
+            out[f"reduce/{name}/{dt}"] = await _attempt(reduce)
+            out[f"reduce_scatter_tensor/{name}/{dt}"] = await _attempt(reduce_scatter_tensor)
+
+    # strided views: gloo would reduce the memory at the data pointer, ignoring strides
+    base = torch.arange(12.0) + r
+    await comm.all_reduce(base[::3], R.MAX)
+    t2 = (torch.arange(6.0) + r).reshape(2, 3)
+    await comm.all_reduce(t2.t())
+    out["all_reduce/strided"] = [base, t2]
+
+    for dtype in (torch.float32, torch.uint16, torch.complex64, torch.bool, torch.float8_e4m3fn):
+        t = _input(torch.float32 if dtype == torch.float8_e4m3fn else dtype, r).to(dtype)
+        await comm.broadcast(t, src=2)
+        out[f"broadcast/{dtype}"] = t.view(torch.uint8) if dtype == torch.float8_e4m3fn else t
+    t = torch.arange(8.0).reshape(2, 4) * (r + 1)
+    await comm.broadcast(t[:, 1:3], src=1)
+    out["broadcast/strided"] = t
+
+    outs = [torch.zeros(j + 1) for j in range(w)]
+    await comm.all_gather(outs, torch.full((r + 1,), r + 0.5))
+    out["all_gather/uneven"] = outs
+    big = torch.zeros(w, 3, dtype=torch.int16)
+    await comm.all_gather_into_tensor(big, torch.full((3,), r, dtype=torch.int16))
+    out["all_gather_into_tensor/stack"] = big
+    cat = torch.zeros(w * 2) + 7
+    await comm.all_gather_into_tensor(cat, cat[r * 2 : r * 2 + 2] * 0 + r)
+    out["all_gather_into_tensor/in_place"] = cat
+    flat = torch.zeros(3 * w)
+    await comm.all_gather_into_tensor(flat, torch.arange(3.0) + 10 * r)
+    out["all_gather_into_tensor/cat"] = flat
+
+    gl = [torch.zeros(2, dtype=torch.complex64) for _ in range(w)] if r == 3 else None
+    await comm.gather(torch.full((2,), complex(r, -r), dtype=torch.complex64), gl, dst=3)
+    out["gather"] = gl
+    t = torch.zeros(3)
+    await comm.scatter(t, [torch.full((3,), 10.0 * j) for j in range(w)] if r == 1 else None, src=1)
+    out["scatter"] = t
+
+    o = torch.zeros(2)
+    await comm.reduce_scatter(o, [torch.full((2,), float(r + j)) for j in range(w)], R.MAX)
+    out["reduce_scatter/MAX"] = o
+    o = torch.zeros(2, dtype=torch.int16)
+    await comm.reduce_scatter(o, [torch.full((2,), r * 100 + j, dtype=torch.int16) for j in range(w)])
+    out["reduce_scatter/int16"] = o
+    o = torch.zeros(2)
+    await comm.reduce_scatter(o, [torch.full((2,), float(r + j)) for j in range(w)], _premul(r))
+    out["reduce_scatter/PREMUL_SUM"] = o
+    o = torch.zeros(3)
+    await comm.reduce_scatter_tensor(o, (torch.arange(3.0 * w) + r).reshape(w, 3), R.AVG)
+    out["reduce_scatter_tensor/stack"] = o
+
+    ins = [torch.full((j + 1,), 10.0 * r + j) for j in range(w)]
+    outs = [torch.zeros(r + 1) for _ in range(w)]
+    await comm.all_to_all(outs, ins)
+    out["all_to_all/uneven"] = outs
+    x = torch.arange(2.0 * w) + 100 * r
+    y = torch.zeros(2 * w)
+    await comm.all_to_all_single(y, x)
+    out["all_to_all_single/even"] = y
+    in_splits = [(r + j) % 3 for j in range(w)]
+    out_splits = [(j + r) % 3 for j in range(w)]
+    x = (torch.arange(sum(in_splits) * 2, dtype=torch.int64) + 1000 * r).reshape(-1, 2)
+    y = torch.zeros(sum(out_splits), 2, dtype=torch.int64)
+    await comm.all_to_all_single(y, x, out_splits, in_splits)
+    out["all_to_all_single/uneven"] = y
+    await comm.barrier()
+
+    # p2p: a ring with two tags, then any-source receives on rank 0
+    right, left = (r + 1) % w, (r - 1) % w
+    a, b = torch.zeros(2, dtype=torch.int32), torch.zeros(3)
+    recvs = [comm.recv(b, left, tag=7), comm.recv(a, left, tag=3)]
+    sends = [comm.send(torch.full((2,), r, dtype=torch.int32), right, tag=3), comm.send(torch.ones(3) * r, right, 7)]
+    srcs = [await x for x in recvs]
+    for s in sends:
+        await s
+    out["p2p/ring"] = [a, b, srcs]
+    if r == 0:
+        got = []
+        for _ in range(w - 1):
+            t = torch.zeros(1)
+            src = await comm.recv(t)
+            got.append((src, t.item()))
+        out["p2p/any_source"] = sorted(got)
+    else:
+        await comm.send(torch.tensor([r * 1.5]), dst=0)
+        out["p2p/any_source"] = None
+
+    out["broadcast_object"] = await comm.broadcast_object({"from": r, "x": [r] * 3} if r == 2 else None, src=2)
+    out["all_gather_object"] = await comm.all_gather_object(("rank", r, "x" * (10 * r)))
+    out["gather_object"] = await comm.gather_object({r: r * r}, dst=1)
+    out["scatter_object"] = await comm.scatter_object([f"to {j}" * (j + 1) for j in range(w)] if r == 3 else None, 3)
+    # issued back to back: the object collective's two steps and the all_reduce keep their order
+    t = torch.ones(1) * r
+    wo, wt = comm.all_gather_object(r), comm.all_reduce(t)
+    out["object_then_tensor"] = [await wo, await wt, t]
+
+    # bad arguments raise on the calling rank before anything is sent, tensors untouched
+    t = torch.ones(2)
+    try:
+        comm.broadcast(t, src=w + 5)
+        out["bad_argument"] = None
+    except aiocoll.InvalidArgumentError as e:
+        out["bad_argument"] = [str(e), t]
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.uint32))
+    except aiocoll.InvalidArgumentError as e:
+        out["bad_dtype"] = str(e)
+
+    evens = await comm.new_group([0, 2])
+    t = torch.ones(1) * (r + 1)
+    if evens is not None:
+        await evens.all_reduce(t)
+        out["new_group"] = [evens.rank, evens.world_size, evens.group_ranks, t]
+    else:
+        out["new_group"] = None
+    sub = await comm.split(color=r % 2, key=-r)
+    assert sub is not None
+    t = torch.ones(1) * (r + 1)
+    await sub.all_reduce(t)
+    names = await sub.all_gather_object(f"r{r}")
+    solo = await sub.split(color=None if sub.rank == 0 else "x")
+    inner = None
+    if solo is not None:
+        inner = [solo.rank, solo.world_size, solo.group_ranks, await solo.all_gather_object(sub.rank)]
+    out["split"] = [sub.rank, sub.world_size, sub.group_ranks, t, names, inner]
+    try:
+        await comm.new_group([r % 2])  # ranks disagree: a mismatch, reported on every rank
+        out["new_group/mismatch"] = None
+    except aiocoll.CollectiveMismatchError:
+        out["new_group/mismatch"] = "CollectiveMismatchError"
+    return out
+
+
+# -- the per-process runner -------------------------------------------------------------------
+
+
+async def _process_only(comm: aiocoll.Comm, out: dict[str, object]) -> None:
+    """What only real processes have: checked in this rank, recorded for the test."""
+    out["repr"] = repr(comm)
+    out["statistics"] = comm.statistics()
+    work = comm.all_reduce(torch.ones(1))
+    out["work_repr"] = repr(work)
+    await work
+    out["work_after"] = [work.done(), work.result(), work.exception(), work.describe()]
+
+    # the loop keeps serving a concurrent task while a large all_reduce is in flight
+    big = torch.ones(8 * 1024 * 1024)  # 32 MB of float32
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    await comm.barrier()
+    task = asyncio.create_task(ticker())
+    t0 = time.perf_counter()
+    await comm.all_reduce(big)
+    elapsed = time.perf_counter() - t0
+    stop = True
+    await task
+    out["ticks"] = [ticks, elapsed, big[:2].tolist(), big[-1].item()]
+
+
+async def _failures(comm: aiocoll.Comm, out: dict[str, object]) -> None:
+    r = comm.rank
+    # a per-op timeout, on a group of its own (a timed-out gloo group is unusable after)
+    pair = await comm.new_group([0, 1])
+    tpair = pair and aiocoll.from_process_group(pair.process_group, timeout=1.0)  # type: ignore[attr-defined]
+    dying = await comm.new_group([0, 1])
+    if r == 0:
+        assert tpair is not None
+        t0 = time.perf_counter()
+        try:
+            await tpair.all_reduce(torch.ones(1))
+        except aiocoll.CollectiveTimeoutError as e:
+            out["timeout"] = [type(e).__name__, str(e), type(e.__cause__).__name__, time.perf_counter() - t0]
+    if dying is not None:
+        await dying.barrier()  # rank 1 got here once rank 0 timed out
+        if r == 1:
+            await asyncio.sleep(0.3)  # rank 0 is in the all_reduce by now
+            os._exit(0)
+        t0 = time.perf_counter()
+        try:
+            await dying.all_reduce(torch.ones(1000))
+        except aiocoll.WorldAbortedError as e:
+            out["peer_died"] = [type(e).__name__, str(e), type(e.__cause__).__name__, time.perf_counter() - t0]
+
+
+def _rank_main(argv: list[str]) -> None:
+    """One gloo rank: ``python test_process_group.py RANK WORLD INIT_METHOD OUT``."""
+    rank, world, init_method, path = int(argv[0]), int(argv[1]), argv[2], argv[3]
+
+    async def main() -> None:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, init_method=init_method, timeout=timedelta(seconds=30)
+        )
+        comm = aiocoll.from_process_group()
+        results = await table(comm)
+        await _process_only(comm, results)
+        save(results)
+        await _failures(comm, results)  # rank 1 dies in there
+        save(results)
+
+    def save(results: dict[str, object]) -> None:
+        torch.save(results, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    asyncio.run(main())
+    os._exit(0)  # some groups are broken on purpose: no orderly teardown
+
+
+def _loopback_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for _, name in socket.if_nameindex():
+        if name in ("lo", "lo0"):
+            env.setdefault("GLOO_SOCKET_IFNAME", name)
+    return env
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The table in 4 gloo processes and in-process: (gloo, aiocoll) results by rank."""
+    tmp = tmp_path_factory.mktemp("pg")
+    init = (tmp / "store").as_uri()
+    procs = []
+    for rank in range(WORLD):
+        err = (tmp / f"rank{rank}.err").open("wb")
+        cmd = [sys.executable, __file__, str(rank), str(WORLD), init, str(tmp / f"rank{rank}.pt")]
+        procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
+    try:
+        local = aiocoll.spawn(table, world=WORLD, timeout=30)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        for p, _ in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"rank{r}.pt").exists()]
+    if failed:
+        r = failed[0]
+        pytest.fail(f"gloo rank {r} failed:\n{(tmp / f'rank{r}.err').read_text()[-4000:]}")
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], local
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    return a == b
+
+
+def test_every_entry_matches_in_process(results: tuple[list[dict[str, object]], list[dict[str, object]]]) -> None:
+    gloo, local = results
+    names = list(local[0])
+    assert len(names) > 250
+    bad = []
+    for rank in range(WORLD):
+        for name in names:
+            g, a = gloo[rank][name], local[rank][name]
+            if name in PG_REJECTS:
+                assert g == "InvalidArgumentError", name
+                assert isinstance(a, torch.Tensor), name
+            elif name == "bad_argument":
+                assert isinstance(g, list)
+                assert isinstance(a, list)
+                assert (
+                    g[0] == a[0] == f"broadcast on rank {rank}: argument 'src': rank 9 is out of range for a group of 4"
+                )
+                assert _same(g[1], a[1])
+            elif not _same(g, a):
+                bad.append(f"rank {rank} {name}: gloo {g!r} != in-process {a!r}")
+    assert not bad, "\n".join(bad[:20])
+    # the table exercises what it claims to
+    assert local[0]["all_reduce/AVG/int32"] == "InvalidArgumentError"
+    assert isinstance(local[0]["all_reduce/PREMUL_SUM/bfloat16"], torch.Tensor)
+    assert local[0]["p2p/any_source"] == [(1, 1.5), (2, 3.0), (3, 4.5)]
+    assert local[0]["new_group/mismatch"] == "CollectiveMismatchError"
+
+
+def test_repr_statistics_and_work(results: tuple[list[dict[str, object]], list[dict[str, object]]]) -> None:
+    g = results[0][1]
+    assert g["repr"] == "<Comm rank=1/4 group='0' backend=gloo>"
+    stats = g["statistics"]
+    assert isinstance(stats, dict)
+    assert stats["rank"] == 1
+    assert stats["backend"] == "gloo"
+    assert stats["pending"] == 0
+    assert stats["completed"] > 200
+    assert str(g["work_repr"]).startswith("<Work rank=1 all_reduce(float32[1], op=ReduceOp.SUM) on group '0' ")
+    done, result, exc, describe = g["work_after"]  # type: ignore[misc]
+    assert (done, result, exc) == (True, None, None)
+    assert describe.startswith("all_reduce(float32[1], op=ReduceOp.SUM) on group '0' at ")
+    assert describe.endswith("test_process_group.py:" + describe.rsplit(":", 1)[1])
+
+
+def test_loop_keeps_running_during_a_large_all_reduce(
+    results: tuple[list[dict[str, object]], list[dict[str, object]]],
+) -> None:
+    for rank in range(WORLD):
+        ticks, elapsed, head, last = results[0][rank]["ticks"]  # type: ignore[misc]
+        assert head == [4.0, 4.0]
+        assert last == 4.0
+        # a blocked loop would tick at most once; 1 ms sleeps tick about once a millisecond
+        assert ticks >= 5, (ticks, elapsed)
+        assert ticks >= elapsed * 1000 * 0.1, (ticks, elapsed)
+
+
+def test_timeout_and_peer_death(results: tuple[list[dict[str, object]], list[dict[str, object]]]) -> None:
+    g0 = results[0][0]
+    name, msg, cause, took = g0["timeout"]  # type: ignore[misc]
+    assert (name, cause) == ("CollectiveTimeoutError", "RuntimeError")
+    assert msg.startswith("all_reduce(float32[1], op=ReduceOp.SUM) on rank 0 of group ")
+    assert "timed out" in msg
+    assert took < 10
+    name, msg, cause, took = g0["peer_died"]  # type: ignore[misc]
+    assert (name, cause) == ("WorldAbortedError", "RuntimeError")
+    assert msg.startswith("all_reduce(float32[1000], op=ReduceOp.SUM) on rank 0 of group ")
+    assert took < 10
+
+
+# -- without processes --------------------------------------------------------------------------
+
+
+def test_from_process_group_needs_an_initialised_group() -> None:
+    if dist.is_initialized():  # pragma: no cover - another test left a group behind
+        pytest.skip("torch.distributed is initialised in this process")
+    with pytest.raises(aiocoll.AiocollError, match="init_process_group"):
+        aiocoll.from_process_group()
+    with pytest.raises(aiocoll.InvalidArgumentError, match="expected a ProcessGroup"):
+        aiocoll.from_process_group("world")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs 2 GPUs")
+def test_nccl(tmp_path: Path) -> None:  # pragma: no cover - no GPUs here
+    code = (
+        "import asyncio, os, sys, torch, torch.distributed as dist, aiocoll\n"
+        "async def main():\n"
+        "    r = int(os.environ['LOCAL_RANK']); torch.cuda.set_device(r)\n"
+        "    dist.init_process_group('nccl')\n"
+        "    comm = aiocoll.from_process_group()\n"
+        "    t = torch.ones(3, device='cuda') * comm.rank\n"
+        "    await comm.all_reduce(t)\n"
+        "    assert t.tolist() == [1.0, 1.0, 1.0], t\n"
+        "    objs = await comm.all_gather_object(comm.rank)\n"
+        "    assert objs == [0, 1], objs\n"
+        "    dist.destroy_process_group()\n"
+        "asyncio.run(main())\n"
+    )
+    script = tmp_path / "nccl_check.py"
+    script.write_text(code)
+    r = _torchrun(script, 2)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- torchrun and the example -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(script: Path, n: int) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(script),
+    ]
+    return subprocess.run(cmd, cwd=ROOT, env=_loopback_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_example_under_torchrun() -> None:
+    r = _torchrun(ROOT / "examples" / "torchrun_allreduce.py", 2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [
+        "rank 0 of 2: all_reduce [1.0, 1.0, 1.0], objects ['rank0', 'rank1']",
+        "rank 1 of 2: all_reduce [1.0, 1.0, 1.0], objects ['rank0', 'rank1']",
+    ], r.stdout + r.stderr
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
