@@ -45,16 +45,14 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+from _harness import Unavailable, run_threaded_pg, timed_dist_all_reduce
 
 import aiocoll
 
@@ -68,19 +66,12 @@ MIN_ITERS = 10
 MAX_ITERS = 10_000
 QUICK_ITERS = 20
 DEFAULT_REPEATS = 5
-PG_JOIN_TIMEOUT = 300.0  # seconds to wait for the threaded PG's threads before giving up
-# torch.distributed.distributed_c10d globals that init_process_group sets and destroy_process_group leaves set
-C10D_GLOBALS = ("_backend", "_default_pg_init_method")
 
 AIOCOLL = "aiocoll asyncio"
 UVLOOP = "aiocoll uvloop"
 SYNC = "aiocoll sync"
 THREADED = "threaded PG"
 BACKENDS = (AIOCOLL, UVLOOP, SYNC, THREADED)
-
-
-class Unavailable(Exception):
-    """A backend cannot be measured here; the message says why."""
 
 
 @dataclass
@@ -132,21 +123,6 @@ def measure_sync_adapter(world: int, warmup: int, iters: int) -> float:
     return aiocoll.spawn(rank_fn, world=world)[0] / iters
 
 
-def timed_dist_all_reduce(rank: int, world: int, warmup: int, iters: int) -> float:
-    """One rank's part, through torch.distributed: a checked all_reduce, the warm-up, the timed loop."""
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    if t.item() != world:
-        raise AssertionError(f"rank {rank}: all_reduce gave {t.item()}, expected {world}")
-    t.zero_()
-    for _ in range(warmup):
-        dist.all_reduce(t)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(t)
-    return time.perf_counter() - start
-
-
 # -- torch's threaded process group ----------------------------------------------------------------------
 
 
@@ -156,77 +132,7 @@ def measure_threaded_pg(world: int, warmup: int, iters: int) -> float:
     Raises ``Unavailable`` if it cannot be imported, its threads cannot be started or do not finish within
     ``PG_JOIN_TIMEOUT``, or a rank fails (torch's test helper is not ours to debug; the table says n/a).
     """
-    try:
-        from torch.testing._internal.distributed.multi_threaded_pg import (
-            ProcessLocalGroup,
-            _install_threaded_pg,
-            _uninstall_threaded_pg,
-        )
-    except ImportError as e:  # e.g. a torch build without torch.distributed
-        raise Unavailable(f"torch's threaded process group cannot be imported: {e}") from e
-
-    store = dist.HashStore()
-    # All threads meet here before init_process_group: if some cannot be started, aborting this barrier
-    # releases the others at once instead of leaving them in the PG's store barrier until its timeout.
-    started = threading.Barrier(world)
-    elapsed: list[float] = []
-    errors: list[tuple[int, BaseException]] = []
-
-    def worker(rank: int) -> None:
-        try:
-            started.wait()
-            dist.init_process_group(
-                "threaded", rank=rank, world_size=world, store=store, timeout=timedelta(seconds=PG_JOIN_TIMEOUT)
-            )
-            try:
-                took = timed_dist_all_reduce(rank, world, warmup, iters)
-                if rank == 0:
-                    elapsed.append(took)
-            finally:
-                dist.destroy_process_group()
-        except BaseException as e:
-            errors.append((rank, e))
-            ProcessLocalGroup.exception_handle(e)  # wake the ranks waiting in a collective so they exit too
-
-    threads: list[threading.Thread] = []
-    # Process-wide state that init_process_group changes and destroy_process_group does not restore: each
-    # rank wraps sys.excepthook in another prefixing hook (after a few W=1024 runs, thousands of nested hooks
-    # make the next uncaught exception die of RecursionError), and the default PG's backend and init method.
-    saved_excepthook = sys.excepthook
-    saved_c10d = {name: getattr(c10d, name) for name in C10D_GLOBALS}
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    try:
-        try:
-            for rank in range(world):
-                th = threading.Thread(target=worker, args=(rank,), name=f"threaded-pg rank {rank}", daemon=True)
-                th.start()
-                threads.append(th)
-        except RuntimeError as e:  # "can't start new thread"
-            started.abort()
-            raise Unavailable(f"could only start {len(threads)} of {world} threads ({e})") from e
-        finally:
-            deadline = time.monotonic() + PG_JOIN_TIMEOUT
-            for th in threads:
-                th.join(max(0.0, deadline - time.monotonic()))
-        stuck = sum(th.is_alive() for th in threads)
-        if stuck:
-            ProcessLocalGroup.exception_handle(TimeoutError())
-            raise Unavailable(f"{stuck} of {world} threads still running after {PG_JOIN_TIMEOUT:.0f}s")
-    finally:
-        ProcessLocalGroup.reset()
-        _uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        sys.excepthook = saved_excepthook
-        for name, value in saved_c10d.items():
-            setattr(c10d, name, value)
-    if errors:
-        # the root cause, not the SystemExit of the ranks that the PG's terminate event took down
-        rank, exc = min(errors, key=lambda item: (isinstance(item[1], SystemExit), item[0]))
-        raise Unavailable(f"failed on rank {rank} of {world}: {type(exc).__name__}: {exc}")
-    if dist.is_initialized():  # the main thread's world must be untouched
-        raise Unavailable("it left a default process group behind in the main thread")
-    return elapsed[0] / iters
+    return run_threaded_pg(world, lambda rank: timed_dist_all_reduce(rank, world, warmup, iters))[0] / iters
 
 
 # -- driver ----------------------------------------------------------------------------------------------
