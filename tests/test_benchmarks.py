@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 BENCH_ALLREDUCE = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_allreduce.py"
 COLUMNS = [
@@ -60,3 +65,84 @@ def test_bench_recorder_quick() -> None:
     assert float(off) > 0
     assert float(on) > 0
     assert ratio.endswith("x")
+
+
+BENCH_SUITE = BENCH_ALLREDUCE.parent / "bench_suite.py"
+SUITE_SYSTEMS = ["floor", "threaded PG", "gloo", "aiocoll async", "aiocoll sync"]
+SUITE_WORKLOADS = ("allreduce_1", "allreduce_16MB", "allgather_4MB", "startup", "memory")
+
+
+def _run_suite_quick(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, str(BENCH_SUITE), "--quick", "--json", str(out), "--plot", str(tmp_path / "r.png"), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc, json.loads(out.read_text())
+
+
+def test_bench_suite_quick(tmp_path: Path) -> None:
+    """``--quick`` runs every workload and system once and reports them in the table, targets and JSON."""
+    proc, data = _run_suite_quick(tmp_path, "--no-plot")
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("workload"))
+    for column in [*SUITE_SYSTEMS, "PG/async", "PG/sync", "async/floor"]:
+        assert column in header, proc.stdout
+    rows = [tuple(line.split()[:2]) for line in lines if line.startswith(SUITE_WORKLOADS)]
+    expected = [("allreduce_1", "4"), ("allreduce_1", "16"), ("allreduce_16MB", "4"), ("allgather_4MB", "4")]
+    assert rows == [*expected, ("startup", "4"), ("memory", "16")], proc.stdout
+    assert "Targets (ratios of medians measured in this run):" in proc.stdout
+    start = lines.index("Targets (ratios of medians measured in this run):") + 1
+    verdicts = [line.split()[0] for line in lines[start : lines.index("", start)]]
+    assert len(verdicts) == 11
+    assert set(verdicts) <= {"PASS", "FAIL", "n/a"}
+    assert "W=4 repeat 1/1 aiocoll async allreduce_1:" in proc.stderr  # progress goes to stderr
+
+    assert set(data) >= {"machine", "plan", "cells", "targets", "wall_time_s", "aiocoll_config", "command"}
+    assert data["machine"]["cpu_count"] >= 1
+    assert set(data["machine"]) >= {"torch", "python", "platform", "date"}
+    assert len(data["cells"]) == 6
+    for cell in data["cells"]:
+        assert set(cell["systems"]) == set(SUITE_SYSTEMS)
+        for name, system in cell["systems"].items():
+            where = f"{cell['workload']} W={cell['world']} {name}"
+            assert system["status"] in ("ok", "capped", "skipped", "n/a"), where
+            if system["status"] == "ok":
+                assert len(system["samples"]) == 1, where
+                assert all(s > 0 for s in system["samples"]), where
+                assert system["median"] > 0, where
+            else:
+                assert system["median"] is None, where
+                assert system["note"], where
+        systems = cell["systems"]
+        # aiocoll and the threaded PG run every cell of the quick plan; gloo runs at W=4 only, and not for memory
+        for name in ("aiocoll async", "aiocoll sync", "threaded PG"):
+            assert systems[name]["status"] == "ok", (cell["workload"], cell["world"], systems[name])
+        if cell["world"] == 16:  # --quick caps gloo at 4 processes
+            assert systems["gloo"]["status"] == "capped"
+    assert [t["pass"] for t in data["targets"]].count(None) == 7  # --quick measures the 4 targets at W=4 only
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_bench_suite_plot(tmp_path: Path) -> None:
+    """The plot of a small run is written where ``--plot`` says (skipped without matplotlib)."""
+    pytest.importorskip("matplotlib")
+    _run_suite_quick(tmp_path, "--workloads", "allreduce_1", "--systems", "floor", "async", "--worlds", "2", "4")
+    png = (tmp_path / "r.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert len(png) > 10_000
+
+
+def test_bench_suite_without_matplotlib(tmp_path: Path) -> None:
+    """Without matplotlib the suite still runs, and says why there is no plot."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "matplotlib.py").write_text("raise ImportError('blocked for the test')\n")
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, str(BENCH_SUITE), "--quick", "--workloads", "allreduce_1", "--systems", "floor"]
+    cmd += ["--worlds", "2", "--json", str(out), "--plot", str(tmp_path / "r.png")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "no plot: matplotlib is not installed" in proc.stdout
+    assert not (tmp_path / "r.png").exists()
+    assert json.loads(out.read_text())["cells"][0]["systems"]["floor"]["median"] > 0
