@@ -135,6 +135,12 @@ class Comm:
             self._bad(op, str(e))
         return r
 
+    def _any_source_ok(self) -> bool:
+        # a group of a hybrid world that spans processes matches p2p per pair of ranks
+        # (subclasses on a real process group may have no engine group at all)
+        group: Group | None = getattr(self, "_group", None)
+        return group is None or group.bridge is None
+
     def _site(self) -> Site:
         # frames: call_site <- _site <- _join <- the Comm method <- the user
         return call_site(3)
@@ -485,6 +491,8 @@ class Comm:
             src = self._root("recv", "src", src)
             if src == self.rank:
                 self._bad("recv", f"argument 'src': rank {src} cannot receive from itself")
+        elif not self._any_source_ok():
+            self._bad("recv", "a recv from any source is not supported in a group that spans processes; pass 'src'")
         return self._join(ops.Recv(t, src, self._tag("recv", tag)))
 
     # -- objects -------------------------------------------------------------------------

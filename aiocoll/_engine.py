@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import CodeType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,9 +44,33 @@ from ._faults import Fault, FaultPlan, OpInfo
 from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
 
-__all__ = ["Group", "RankState", "Work", "World", "current_rank_state"]
+__all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
 
 Site = tuple[str, int]
+
+
+class Bridge(Protocol):
+    """Completes a group's collectives with members in other processes (hybrid worlds)."""
+
+    def run(self, rdv: Rendezvous) -> asyncio.Future[list[Any]]:
+        """Results for every group-rank of ``rdv`` (local members' calls are in it)."""
+        ...
+
+    def p2p(self, work: Work) -> asyncio.Future[Any] | None:
+        """Carry out a send or recv whose peer is in another process; None if the peer is here."""
+        ...
+
+
+class Hybrid(Protocol):
+    """Which ranks of a world run in this process, and a bridge for groups that span processes."""
+
+    def attach(self, group: Group) -> None:
+        """Set ``group.expected`` (local members) and ``group.bridge`` for a new group."""
+        ...
+
+    def aborted(self, message: str, cause: BaseException) -> None:
+        """This process's share of the world was aborted."""
+        ...
 
 
 def call_site(depth: int) -> Site:
@@ -74,6 +98,7 @@ class Phase(enum.Enum):
     RUNNING = "running"
     RETURNED = "returned"
     FAILED = "failed"
+    REMOTE = "in another process"  # a rank of a hybrid world that another process runs
 
 
 _rank_var: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
@@ -153,14 +178,14 @@ class RankState:
         if self.phase is Phase.FAILED and self.error is not None:
             return f"failed with {type(self.error).__name__}: {_first_line(self.error)}"
         if self.phase is not Phase.RUNNING:
-            return self.phase.name.lower()
+            return str(self.phase.value)
         if self.blocked:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
         return self.injected or "running"
 
     def snapshot(self) -> dict[str, Any]:
         """What this rank is doing now, as plain data (for monitors and reports)."""
-        state = self.phase.name.lower() if self.phase is not Phase.RUNNING else "running"
+        state = self.phase.name.lower()
         if self.phase is Phase.RUNNING and self.blocked:
             state = "blocked"
         return {
@@ -494,7 +519,20 @@ class Rendezvous:
 class Group:
     """A set of global ranks that run collectives together, in group-rank order."""
 
-    __slots__ = ("_children", "index", "name", "next_seq", "pending", "ranks", "recvs", "sends", "size", "world")
+    __slots__ = (
+        "_children",
+        "bridge",
+        "expected",
+        "index",
+        "name",
+        "next_seq",
+        "pending",
+        "ranks",
+        "recvs",
+        "sends",
+        "size",
+        "world",
+    )
 
     def __init__(self, world: World, name: str, ranks: Sequence[int]) -> None:
         self.world = world
@@ -502,6 +540,12 @@ class Group:
         self.ranks = tuple(ranks)
         self.index = {g: i for i, g in enumerate(self.ranks)}  # global rank -> group-rank
         self.size = len(self.ranks)
+        # arrivals that complete a rendezvous here: every member, unless other processes
+        # run some of them (a hybrid world), whose calls the bridge then fetches
+        self.expected = self.size
+        self.bridge: Bridge | None = None
+        if world.hybrid is not None:
+            world.hybrid.attach(self)
         self.next_seq = [0] * self.size
         self.pending: dict[int, Rendezvous] = {}
         # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag)
@@ -527,13 +571,16 @@ class Group:
 class World:
     """The shared state of all ranks of one ``spawn``."""
 
-    def __init__(self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+    def __init__(
+        self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None, hybrid: Hybrid | None = None
+    ) -> None:
         self.size = size
         self.loop = loop
         self.loop_thread = threading.get_ident()  # worlds are made on their loop's thread
         self.id = next(_world_ids)
         self.timeout = timeout
         self.ranks = [RankState(self, r) for r in range(size)]
+        self.hybrid: Hybrid | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
         self.in_flight = 0
@@ -582,8 +629,12 @@ class World:
             if work._site is not None:
                 stamp.files[0], stamp.lines[0] = work._site
             ring.append(stamp)
+        bridge = work._group.bridge
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
+        elif bridge is not None and (fut := bridge.p2p(work)) is not None:
+            self.in_flight += 1  # the other process will answer, or the group's timeout will
+            fut.add_done_callback(functools.partial(self._p2p_bridged, work))
         elif isinstance(call, Send):
             self._send(work)
         else:
@@ -683,8 +734,10 @@ class World:
         rdv.calls[grank] = call
         rdv.works[grank] = work
         rdv.arrived += 1
-        if rdv.arrived == group.size:
-            if rdv.mismatched:
+        if rdv.arrived == group.expected:
+            # a group that spans processes reports a mismatch after the exchange, so that
+            # every process learns of it (and shows every rank's call)
+            if rdv.mismatched and group.bridge is None:
                 self._report_mismatch(rdv)
             else:
                 self._complete(rdv)
@@ -705,6 +758,11 @@ class World:
             rdv.timer.cancel()
         if rdv.stamp is not None:
             rdv.stamp.last = _now()
+        if rdv.group.bridge is not None:
+            if rdv.mismatched:
+                self._mismatched.remove(rdv)
+            self._bridged(rdv)
+            return
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
@@ -768,18 +826,47 @@ class World:
         # Arguments were validated before the call joined, so this is unexpected: keep the
         # original error type for every rank, and abort the world.
         for w in works:
-            assert w is not None
-            w._resolve(exc=e)
+            if w is not None:
+                w._resolve(exc=e)
         self.abort(None, e)
+
+    def _bridged(self, rdv: Rendezvous) -> None:
+        """Every local member arrived; the bridge fetches the other processes' calls and runs the op."""
+        assert rdv.group.bridge is not None
+        self.in_flight += 1  # the exchange will end (or fail): no deadlock meanwhile
+        fut = rdv.group.bridge.run(rdv)
+        fut.add_done_callback(functools.partial(self._bridge_done, rdv))
+
+    def _bridge_done(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
+        self.in_flight -= 1
+        exc = None if fut.cancelled() else fut.exception()
+        if self.aborted is not None:
+            pass  # its ranks were released by the abort
+        elif fut.cancelled():
+            self._op_failed(
+                rdv.works, WorldAbortedError(f"{rdv.where}: the exchange with other processes was cancelled")
+            )
+        elif isinstance(exc, CollectiveMismatchError):
+            first = True
+            for w in rdv.works:
+                if w is not None:
+                    w._resolve(exc=exc if first else type(exc)(str(exc)))
+                    first = False
+            self.abort(None, exc)
+        elif exc is not None:
+            self._op_failed(rdv.works, exc)
+        else:
+            self._finish(rdv, fut.result())
+        self._check_deadlock()
 
     def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
         if self.rng is not None:
             self._resolve_shuffled(rdv.works, results)
         else:
             for w, res in zip(rdv.works, results, strict=True):
-                assert w is not None
-                w._resolve(res)
-                w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
+                if w is not None:  # None: a member in another process (hybrid worlds)
+                    w._resolve(res)
+                    w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
         if rdv.stamp is not None:
             rdv.stamp.done = _now()
             rdv.stamp.outcome = "ok"
@@ -791,10 +878,9 @@ class World:
         this reorders what the ranks do after each collective, reproducibly per seed.
         """
         assert self.rng is not None
-        pairs = list(zip(works, results, strict=True))
+        pairs = [(w, res) for w, res in zip(works, results, strict=True) if w is not None]
         self.rng.shuffle(pairs)
         for w, res in pairs:
-            assert w is not None
             w._rdv = None
             turns = self.rng.randrange(3)
             if turns:
@@ -910,6 +996,18 @@ class World:
                 w._stamp.done = _now()
                 w._stamp.outcome = "ok"
 
+    def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
+        self.in_flight -= 1
+        exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self._op_failed((work,), exc)
+        else:
+            work._resolve(fut.result())
+            if work._stamp is not None:
+                work._stamp.last = work._stamp.done = _now()
+                work._stamp.outcome = "ok"
+        self._check_deadlock()
+
     def _arm_p2p_timer(self, work: Work) -> None:
         if self.timeout is not None:
             self._p2p_timers[work] = self.loop.call_later(self.timeout, self._p2p_timed_out, work)
@@ -979,6 +1077,8 @@ class World:
             msg = f"the world was aborted by {type(cause).__name__}: {_first_line(cause)}"
         self.aborted = WorldAbortedError(msg, rank=rank)
         self.aborted.__cause__ = cause
+        if self.hybrid is not None:
+            self.hybrid.aborted(msg, cause)  # tell the other processes, which wait for ours
         for g in self._all_groups():
             for rdv in list(g.pending.values()):
                 if rdv.timer is not None:

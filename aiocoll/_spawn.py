@@ -51,6 +51,7 @@ def spawn(
     faults: Iterable[Fault] = ...,
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
 ) -> list[T]: ...
 
 
@@ -67,6 +68,7 @@ def spawn(
     faults: Iterable[Fault] = ...,
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
 ) -> list[T]: ...
 
 
@@ -82,6 +84,7 @@ def spawn(
     faults: Iterable[Fault] = (),
     schedule_seed: int | None = None,
     prefix_output: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> list[Any]:
     """Run ``fn(comm)`` on ``world`` ranks of a new event loop; return their results in rank order.
 
@@ -141,6 +144,7 @@ def spawn(
                 faults=faults,
                 schedule_seed=schedule_seed,
                 prefix_output=prefix_output,
+                process_group=process_group,
             )
         )
 
@@ -157,6 +161,7 @@ async def spawn_async(
     faults: Iterable[Fault] = ...,
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
 ) -> list[T]: ...
 
 
@@ -172,6 +177,7 @@ async def spawn_async(
     faults: Iterable[Fault] = ...,
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
 ) -> list[T]: ...
 
 
@@ -186,6 +192,7 @@ async def spawn_async(
     faults: Iterable[Fault] = (),
     schedule_seed: int | None = None,
     prefix_output: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> list[Any]:
     """The awaitable twin of ``spawn``: runs the ranks on the running loop.
 
@@ -211,7 +218,20 @@ async def spawn_async(
             "uvloop, including anyio's asyncio backend). From trio, run a world in a worker thread: "
             "await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
         ) from None
-    w = World(world, loop, timeout)
+    hybrid = None
+    if process_group is not None:
+        from ._hybrid import HybridWorld  # only hybrid worlds need the process-group machinery
+
+        hybrid = HybridWorld(process_group, world, timeout)
+        # torch.distributed inside the ranks would shadow the process's real groups,
+        # which the hybrid world itself talks through
+        torch_distributed = False
+    w = World(world, loop, timeout, hybrid)
+    local = [st for st in w.ranks if hybrid is None or st.rank in hybrid.local]
+    if hybrid is not None:
+        for st in w.ranks:
+            if st.rank not in hybrid.local:
+                st.phase = Phase.REMOTE
     if record or trace is not None:
         w.recorder = Recorder(world, None if trace is not None else record)
         for st, ring in zip(w.ranks, w.recorder.ranks, strict=True):
@@ -219,7 +239,7 @@ async def spawn_async(
     faults = list(faults)
     if faults:
         w.faults = FaultPlan(faults, world)
-    order = list(w.ranks)
+    order = list(local)
     if schedule_seed is not None:
         w.rng = random.Random(schedule_seed)
         w.rng.shuffle(order)  # which rank starts first, too
@@ -243,11 +263,11 @@ async def spawn_async(
                 )
                 for st in order
             }
-            runners = [by_rank[r] for r in range(world)]
+            runners = [by_rank[st.rank] for st in local]
         else:
             sfn = fn
-            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads) for st in w.ranks]
-        for st, r in zip(w.ranks, runners, strict=True):
+            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads) for st in local]
+        for st, r in zip(local, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.
             st.task = r if isinstance(r, asyncio.Task) else None
@@ -277,6 +297,8 @@ async def spawn_async(
             raise
         for t in threads:
             t.join()  # each has posted its result as its last act: this is immediate
+        if hybrid is not None:
+            await hybrid.say_goodbye(min(timeout or 5.0, 5.0))
     finally:
         undo()
         output.__exit__(None, None, None)

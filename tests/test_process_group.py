@@ -87,8 +87,11 @@ async def _attempt(fn: Callable[[], Awaitable[object]]) -> object:
         return "InvalidArgumentError"
 
 
-async def table(comm: aiocoll.Comm) -> dict[str, object]:
-    """Every kind of call; returns what this rank observed, by entry name."""
+async def table(comm: aiocoll.Comm, *, any_source: bool = True) -> dict[str, object]:
+    """Every kind of call; returns what this rank observed, by entry name.
+
+    ``any_source=False`` leaves out the receives from any source (hybrid worlds refuse them).
+    """
     r, w = comm.rank, comm.world_size
     out: dict[str, object] = {}
 
@@ -189,7 +192,9 @@ async def table(comm: aiocoll.Comm) -> dict[str, object]:
     for s in sends:
         await s
     out["p2p/ring"] = [a, b, srcs]
-    if r == 0:
+    if not any_source:
+        pass
+    elif r == 0:
         got = []
         for _ in range(w - 1):
             t = torch.zeros(1)

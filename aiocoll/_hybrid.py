@@ -1,0 +1,283 @@
+"""Hybrid worlds: M processes x K async ranks each, as one world of M*K ranks.
+
+Each process runs its K ranks on its own loop; their collectives meet there as in any
+world. A group whose members all live in this process completes locally. A group that
+spans processes completes in two steps: the local members meet (the engine waits for
+``group.expected`` arrivals, not ``group.size``), then the group's *bridge* exchanges
+every process's calls over a real process group and runs the op over all M*K calls with
+the same pure op code as a flat world, so results are bitwise those of a flat world.
+Exchanging whole calls costs bandwidth (each process receives every rank's inputs): this
+is for tests and simulations of large worlds, not a fast data path.
+
+The bridge talks to torch only through the process group object (``pg._allgather_base``
+via ``_pg.all_gather_bytes``), on a task of its own in a context with no rank in it, so
+neither aiocoll's per-rank c10d state nor its task tracking sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import itertools
+from collections import defaultdict, deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _device
+from . import _ops as ops
+from ._engine import Group, Rendezvous, Site, Work, World, fmt_site
+from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
+from ._pg import Issuer, _create_group, all_gather_bytes
+
+__all__ = ["HybridWorld"]
+
+_ABORT = "aiocoll-abort"
+# Hybrid worlds made in this process so far: processes make them in the same order, so
+# the count names their process groups alike everywhere, and apart from earlier worlds'.
+_made_worlds = itertools.count()
+
+
+def _dumps(obj: object) -> bytes:
+    # torch.save, not pickle: plain pickling of some dtypes' storages (uint16, uint32)
+    # does not load back in torch 2.13
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+class _Notice(WorldAbortedError):
+    """Another process of the hybrid world aborted (its notice came in an exchange)."""
+
+
+class HybridWorld:
+    """This process's share of a world of ``size`` ranks spread over the processes of ``pg``.
+
+    Process ``p`` (its rank in ``pg``) runs global ranks ``p*K .. p*K+K-1``.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, size: int, timeout: float | None) -> None:
+        self.pg = pg
+        self.procs = pg.size()
+        if size % self.procs:
+            raise InvalidArgumentError(
+                f"spawn: argument 'world' ({size}) must be a multiple of the process group's size "
+                f"({self.procs}), so that every process runs the same number of ranks"
+            )
+        self.per_proc = size // self.procs
+        self.proc = pg.rank()
+        self.local = range(self.proc * self.per_proc, (self.proc + 1) * self.per_proc)
+        self.timeout = timeout
+        self.id = next(_made_worlds)
+        self.issuer = Issuer.of(pg, timeout)
+        self.world: World | None = None
+        self.bridge: PGBridge | None = None  # the world group's
+        self.farewell: asyncio.Future[Any] | None = None  # the abort notice sent to the others
+        # process groups made for sub-groups that span processes, by their global ranks,
+        # waiting for the engine to make the Group they serve (see attach)
+        self._made: defaultdict[tuple[int, ...], deque[dist.ProcessGroup]] = defaultdict(deque)
+        # a context with no rank in it, for the bridges' tasks
+        self.context = contextvars.Context()
+
+    def proc_of(self, rank: int) -> int:
+        return rank // self.per_proc
+
+    def attach(self, group: Group) -> None:
+        procs = sorted({self.proc_of(g) for g in group.ranks})
+        group.expected = sum(1 for g in group.ranks if g in self.local)
+        if procs == [self.proc]:
+            self.world = group.world
+            return  # every member is here: an ordinary group
+        world_group = self.world is None  # the first group made is the world's
+        if world_group:
+            pg = self.pg
+        else:
+            made = self._made.get(group.ranks)
+            assert made, f"no process group was made for {group!r}"
+            pg = made.popleft()
+        group.bridge = PGBridge(self, group, pg, procs)
+        if world_group:
+            self.bridge = group.bridge
+        self.world = group.world
+
+    def aborted(self, message: str, cause: BaseException) -> None:
+        """Send the other processes an abort notice as this process's next call on the world group.
+
+        They wait at that call for this process's share; the notice ends their wait at
+        once with ``WorldAbortedError`` rather than at the group's timeout. A process that
+        was aborted by a notice sends none: the notice reached every process at once.
+        """
+        if self.bridge is None or isinstance(cause, _Notice):
+            return
+        self.farewell = self.bridge.notify(message)
+
+    async def say_goodbye(self, grace: float) -> None:
+        """Give the abort notice up to ``grace`` seconds to be taken (the others may be elsewhere)."""
+        if self.farewell is not None:
+            await asyncio.wait([self.farewell], timeout=grace)
+
+    def __repr__(self) -> str:
+        return f"<HybridWorld process {self.proc}/{self.procs}, ranks {self.local.start}..{self.local.stop - 1}>"
+
+
+class PGBridge:
+    """Completes one group's collectives across processes, in the group's order."""
+
+    def __init__(self, hybrid: HybridWorld, group: Group, pg: dist.ProcessGroup, procs: list[int]) -> None:
+        self.hybrid = hybrid
+        self.group = group
+        self.pg = pg
+        self.procs = procs  # pg rank i is process procs[i]
+        self.name = str(getattr(pg, "group_name", "?"))
+        self.issuer = Issuer.of(pg, hybrid.timeout)  # held: p2p of the group goes through one issuer
+        self._tail: asyncio.Future[Any] | None = None  # the exchange before this one
+
+    def run(self, rdv: Rendezvous) -> asyncio.Future[list[Any]]:
+        loop = self.group.world.loop
+        # A task of no rank: made in the bridge's context, so the engine's task factory
+        # does not count it as a rank's helper, and c10d sees the process's own state.
+        task = self.hybrid.context.run(loop.create_task, self._run(rdv, self._tail))
+        self._tail = task
+        return task
+
+    async def _run(self, rdv: Rendezvous, prev: asyncio.Future[Any] | None) -> list[Any]:
+        if prev is not None and not prev.done():
+            # ops of one group reach its process group in the group's order
+            await asyncio.wait([prev])
+        calls, sites = await self._exchange(rdv)
+        op = type(calls[0])
+        sig = calls[0].signature()
+        if any(c.signature() != sig for c in calls):
+            names = {c.name for c in calls}
+            what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"
+            raise CollectiveMismatchError(
+                f"ranks called {what} as call #{rdv.seq} of group {self.group.name!r}:\n{self._table(calls, sites)}"
+            )
+        problem = op.check(calls)
+        if problem is not None:
+            raise CollectiveMismatchError(
+                f"{problem} ({op.name} #{rdv.seq} on group {self.group.name!r}):\n{self._table(calls, sites)}"
+            )
+        where = _device.placement(calls, self.group.world.inline_bytes)
+        if where is _device.Placement.INLINE:
+            results: list[Any] = op.run(calls)
+        else:
+            results = await _device.run_in_worker(self.group.world.loop, op.run, calls)
+        if op in (ops.NewGroup, ops.Split):
+            await self._make_groups(rdv, results)
+        return results
+
+    async def _exchange(self, rdv: Rendezvous) -> tuple[list[Any], list[Site | None]]:
+        """Every member's call (local ones are the ranks' own objects) and call site."""
+        mine = [
+            (r, rdv.calls[r], w._site if w is not None else None)
+            for r, w in enumerate(rdv.works)
+            if rdv.calls[r] is not None
+        ]
+        try:
+            payload = _dumps(mine)
+        except Exception as e:  # e.g. a tensor subclass that cannot travel
+            raise InvalidArgumentError(
+                f"{rdv.calls[mine[0][0]].name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
+            ) from e
+        try:
+            blobs = await all_gather_bytes(self.pg, payload, timeout=self.hybrid.issuer.timeout)
+        except RuntimeError as e:
+            raise self.hybrid.issuer.error(f"{rdv.calls[mine[0][0]].name} {rdv.where}", e) from e
+        calls: list[Any] = list(rdv.calls)
+        sites: list[Site | None] = [None] * self.group.size
+        for i, blob in enumerate(blobs):
+            theirs = torch.load(io.BytesIO(blob), weights_only=False)
+            if isinstance(theirs, tuple) and theirs and theirs[0] == _ABORT:
+                raise _Notice(f"process {self.procs[i]} of the hybrid world aborted: {theirs[1]}")
+            for r, call, site in theirs:
+                sites[r] = site
+                if calls[r] is None:
+                    calls[r] = call
+        return calls, sites
+
+    def notify(self, message: str) -> asyncio.Future[Any]:
+        """Send an abort notice in place of this process's next share on the group."""
+
+        async def send(prev: asyncio.Future[Any] | None) -> None:
+            if prev is not None and not prev.done():
+                await asyncio.wait([prev])
+            await all_gather_bytes(self.pg, _dumps((_ABORT, message)), timeout=self.hybrid.issuer.timeout)
+
+        loop = self.group.world.loop
+        task = self.hybrid.context.run(loop.create_task, send(self._tail))
+        self._tail = task
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no log
+        return task
+
+    def p2p(self, work: Work) -> asyncio.Future[Any] | None:
+        call, g = work._call, self.group
+        peer = call.dst if isinstance(call, ops.Send) else call.src
+        assert peer is not None  # Comm refuses any-source receives in groups that span processes
+        hy = self.hybrid
+        peer_g, me_g = g.ranks[peer], g.ranks[work._grank]
+        proc = hy.proc_of(peer_g)
+        if proc == hy.proc:
+            return None
+        loop = g.world.loop
+        # gloo matches a pair of processes' messages by tag, in order: one tag per pair
+        # of ranks (and user tag) keeps each pair's stream apart
+        k = hy.per_proc
+        src_g, dst_g = (me_g, peer_g) if isinstance(call, ops.Send) else (peer_g, me_g)
+        tag = (call.tag * k + src_g % k) * k + dst_g % k
+        if tag >= 1 << 31:
+            fut: asyncio.Future[Any] = loop.create_future()
+            fut.set_exception(
+                InvalidArgumentError(
+                    f"{call.describe()} on rank {me_g}: tag {call.tag} is too large for a hybrid world"
+                )
+            )
+            return fut
+        to = self.procs.index(proc)
+        wire = ops.Send(call.tensor, to, tag) if isinstance(call, ops.Send) else ops.Recv(call.tensor, to, tag)
+        issued = hy.context.run(self.issuer.issue, wire, loop)
+        out: asyncio.Future[Any] = loop.create_future()
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())  # type: ignore[arg-type]
+            else:
+                out.set_result(None if isinstance(call, ops.Send) else peer)
+
+        issued.add_done_callback(done)
+        return out
+
+    def _table(self, calls: list[Any], sites: list[Site | None]) -> str:
+        lines = []
+        for r, c in enumerate(calls):
+            g = self.group.ranks[r]
+            who = f"rank {r}" if g == r else f"rank {r} (global {g})"
+            lines.append(f"  {who} in process {self.hybrid.proc_of(g)}: {c.describe()} at {fmt_site(sites[r])}")
+        return "\n".join(lines)
+
+    async def _make_groups(self, rdv: Rendezvous, parts: list[ops.Partition]) -> None:
+        """Make a process group for each new sub-group that spans processes, this one among them."""
+        # Every process walks the new groups in the same order (by rank) and makes, one
+        # after the other, those it takes part in: the makers of each group agree.
+        seen: set[tuple[int, ...]] = set()
+        pg_ranks = dist.get_process_group_ranks(self.hybrid.pg)
+        for members in parts[0].groups:
+            if members is None:
+                continue
+            ranks = tuple(self.group.ranks[m] for m in members)
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            procs = sorted({self.hybrid.proc_of(g) for g in ranks})
+            name = f"{self.name}/aiocoll-hybrid{self.hybrid.id}/{self.group.name}/{rdv.seq}.{ranks[0]}"
+            if len(procs) < 2 or self.hybrid.proc not in procs:
+                continue
+            pg = await asyncio.to_thread(_create_group, self.hybrid.pg, [pg_ranks[p] for p in procs], name)
+            self.hybrid._made[ranks].append(pg)
+
+    def __repr__(self) -> str:
+        return f"<PGBridge group={self.group.name!r} processes={self.procs} pg={self.name!r}>"

@@ -1,0 +1,215 @@
+"""Hybrid worlds: ``aiocoll.spawn(fn, world=N, process_group=pg)`` over M gloo processes.
+
+Two gloo processes on 127.0.0.1 (this file, run as a script, is the per-process runner;
+a FileStore does the rendezvous) each run N/2 async ranks. What they observe is saved
+with ``torch.save`` and compared with a flat in-process world of N ranks:
+
+* the whole table of ``test_process_group`` (every collective, reduce op and dtype,
+  p2p across processes, objects, new_group/split) on 2 processes x 2 ranks;
+* a world of 2 x 256 ranks;
+* what only a hybrid world has: a mismatch across processes (reported with every
+  rank's call, in every process), an any-source receive refused, a bad world size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import aiocoll
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_process_group import _loopback_env, _same, table
+
+PROCS = 2
+PER_PROC = 2
+BIG_PER_PROC = 256
+LAUNCH_TIMEOUT = 120.0
+
+
+async def big(comm: aiocoll.Comm) -> list[Any]:
+    """A few collectives over a large world; inexact float sums, so the order matters."""
+    r = comm.rank
+    t = torch.tensor([0.1 * r, 1.0 / (r + 1), float(r) ** 1.5])
+    await comm.all_reduce(t)
+    out = torch.zeros(comm.world_size)
+    await comm.all_gather_into_tensor(out, torch.tensor([r * 0.5]))
+    half = await comm.split(r % 2, key=-r)
+    assert half is not None
+    u = torch.tensor([1.0 / (r + 3)])
+    await half.all_reduce(u)
+    b = torch.full((2,), float(r))
+    await comm.broadcast(b, src=comm.world_size - 1)
+    right, left = (r + 1) % comm.world_size, (r - 1) % comm.world_size
+    got = torch.zeros(1)
+    sent = comm.send(torch.tensor([float(r)]), right)
+    await comm.recv(got, left)
+    await sent
+    return [t, out.sum(), half.rank, u, b, got]
+
+
+async def mismatch(comm: aiocoll.Comm) -> str:
+    t = torch.ones(2)
+    try:
+        if comm.rank == 3:
+            await comm.broadcast(t, src=0)
+        else:
+            await comm.all_reduce(t)
+    except aiocoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+async def failing(comm: aiocoll.Comm) -> list[Any]:
+    await comm.barrier()
+    if comm.rank == 3:
+        raise ValueError("rank 3 gives up")
+    t0 = time.perf_counter()
+    try:
+        await comm.all_reduce(torch.ones(1))
+    except aiocoll.WorldAbortedError as e:
+        return [str(e), time.perf_counter() - t0]
+    return ["no error", 0.0]
+
+
+async def any_source(comm: aiocoll.Comm) -> str:
+    try:
+        comm.recv(torch.zeros(1))
+    except aiocoll.InvalidArgumentError as e:
+        return str(e)
+    return "no error"
+
+
+def _process_main(argv: list[str]) -> None:
+    """One process: ``python test_hybrid.py PROC INIT_METHOD OUT``."""
+    proc, init_method, path = int(argv[0]), argv[1], argv[2]
+    dist.init_process_group("gloo", rank=proc, world_size=PROCS, init_method=init_method, timeout=timedelta(seconds=30))
+    world = dist.group.WORLD
+    assert world is not None
+    out: dict[str, Any] = {}
+    out["table"] = aiocoll.spawn(
+        functools.partial(table, any_source=False), world=PROCS * PER_PROC, process_group=world, timeout=30
+    )
+    t0 = time.perf_counter()
+    out["big"] = aiocoll.spawn(big, world=PROCS * BIG_PER_PROC, process_group=world, timeout=30)
+    out["big_seconds"] = time.perf_counter() - t0
+    try:
+        out["mismatch"] = aiocoll.spawn(mismatch, world=4, process_group=world, timeout=30)
+    except aiocoll.CollectiveMismatchError as e:
+        out["mismatch"] = str(e)
+    try:
+        out["failing"] = aiocoll.spawn(failing, world=4, process_group=world, timeout=30)
+    except ValueError as e:
+        out["failing"] = str(e)
+    out["after_failure"] = aiocoll.spawn(big, world=4, process_group=world, timeout=30)
+    out["any_source"] = aiocoll.spawn(any_source, world=4, process_group=world, timeout=30)
+    try:
+        aiocoll.spawn(any_source, world=3, process_group=world)
+    except aiocoll.InvalidArgumentError as e:
+        out["bad_world"] = str(e)
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("hybrid")
+    init = (tmp / "store").as_uri()
+    procs = []
+    for p in range(PROCS):
+        err = (tmp / f"proc{p}.err").open("wb")
+        cmd = [sys.executable, __file__, str(p), init, str(tmp / f"proc{p}.pt")]
+        procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        for p, _ in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"proc{r}.pt").exists()]
+    if failed:
+        r = failed[0]
+        pytest.fail(f"process {r} failed:\n{(tmp / f'proc{r}.err').read_text()[-4000:]}")
+    return [torch.load(tmp / f"proc{r}.pt", weights_only=False) for r in range(PROCS)]
+
+
+def _flat(fn: Any, world: int) -> list[Any]:
+    return aiocoll.spawn(fn, world=world, timeout=30)
+
+
+def test_table_equals_a_flat_world(results: list[dict[str, Any]]) -> None:
+    hybrid = [r for proc in results for r in proc["table"]]  # each process returns its own ranks
+    flat = _flat(functools.partial(table, any_source=False), PROCS * PER_PROC)
+    assert len(hybrid) == len(flat) == PROCS * PER_PROC
+    names = list(flat[0])
+    assert len(names) > 250
+    bad = [
+        f"rank {r} {name}: hybrid {hybrid[r][name]!r} != flat {flat[r][name]!r}"
+        for r in range(len(flat))
+        for name in names
+        if name != "bad_argument" and not _same(hybrid[r][name], flat[r][name])
+    ]
+    assert not bad, "\n".join(bad[:20])
+    assert hybrid[0]["new_group/mismatch"] == "CollectiveMismatchError"
+    assert hybrid[1]["p2p/ring"][2] == [0, 0]  # rank 1 received from rank 0 in its own process
+    assert hybrid[2]["p2p/ring"][2] == [1, 1]  # rank 2 received from rank 1 across processes
+
+
+def test_a_large_world_is_bitwise_a_flat_world(results: list[dict[str, Any]]) -> None:
+    hybrid = [r for proc in results for r in proc["big"]]
+    flat = _flat(big, PROCS * BIG_PER_PROC)
+    assert len(hybrid) == PROCS * BIG_PER_PROC
+    for r, (h, f) in enumerate(zip(hybrid, flat, strict=True)):
+        assert _same(h, f), f"rank {r}: hybrid {h!r} != flat {f!r}"
+    # the sum of 512 inexact floats: any other order would differ in the last bits
+    assert hybrid[0][0].tolist() == flat[0][0].tolist()
+
+
+def test_a_mismatch_across_processes_is_reported_in_every_process(results: list[dict[str, Any]]) -> None:
+    reports = [msg for proc in results for msg in proc["mismatch"]]
+    assert len(reports) == 4
+    for report in reports:
+        assert "ranks called different collectives as call #0 of group 'world'" in report
+        assert "rank 3 in process 1: broadcast(float32[2], src=0) at " in report
+        assert "rank 0 in process 0: all_reduce(float32[2], op=ReduceOp.SUM) at " in report
+        assert "test_hybrid.py" in report
+
+
+def test_a_failing_rank_releases_the_other_process_at_once(results: list[dict[str, Any]]) -> None:
+    assert results[1]["failing"] == "rank 3 gives up"  # spawn re-raised it there
+    for msg, seconds in results[0]["failing"]:
+        assert "process 1 of the hybrid world aborted: rank 3 failed with ValueError: rank 3 gives up" in msg
+        assert seconds < 5.0  # the notice, not the 30 s timeout
+    # the process group is still in step: a new world over it works
+    flat = _flat(big, 4)
+    after = [r for proc in results for r in proc["after_failure"]]
+    assert all(_same(a, f) for a, f in zip(after, flat, strict=True))
+
+
+def test_any_source_recv_and_bad_world_are_refused(results: list[dict[str, Any]]) -> None:
+    for proc in results:
+        for msg in proc["any_source"]:
+            assert "recv on rank" in msg
+            assert "not supported in a group that spans processes" in msg
+        assert "argument 'world' (3) must be a multiple of the process group's size (2)" in proc["bad_world"]
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    _process_main(sys.argv[1:])
