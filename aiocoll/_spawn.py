@@ -110,6 +110,15 @@ def spawn(
     run and any-source receives match, to shake out order-dependent bugs.
     ``prefix_output`` prefixes what each rank prints or logs with ``[rank N]``.
 
+    ``process_group`` makes a *hybrid world* over a real torch.distributed group of M
+    processes (each calls ``spawn`` alike): process p runs ranks ``p*world//M`` up to
+    ``(p+1)*world//M - 1`` and gets their results; collectives among ranks of several
+    processes exchange every rank's call over the group and compute exactly what a flat
+    world of ``world`` ranks would. For tests and simulations of large worlds::
+
+        dist.init_process_group("gloo")                      # under torchrun, 2 processes
+        results = aiocoll.spawn(fn, world=1024, process_group=dist.group.WORLD)  # 512 here
+
     >>> import torch, aiocoll
     >>> async def worker(comm):
     ...     t = torch.ones(2) * comm.rank
