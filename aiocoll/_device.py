@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INLINE_BYTES", "Placement", "placement", "run_in_worker", "tensors_of"]
+__all__ = ["INLINE_BYTES", "Placement", "placement", "run_cuda", "run_in_worker", "tensors_of"]
 
 # Total bytes an op may move (summed over its ranks) and still run inline on the loop:
 # below this a worker-thread round trip (~50-100 us on 2 cores) costs more than the copy
@@ -41,14 +41,15 @@ class Placement(enum.Enum):
 
 def placement(calls: Sequence[Any], inline_bytes: int = INLINE_BYTES) -> Placement:
     """Where to run an op over ``calls`` (one per rank)."""
-    first = calls[0]
-    nbytes = first.nbytes
-    if nbytes == 0:
-        return Placement.INLINE
-    # no CUDA tensor can exist before CUDA is initialised: skip the scan on CPU-only runs
+    # no CUDA tensor can exist before CUDA is initialised: skip the scan on CPU-only runs.
+    # Checked before the size: an op with CUDA tensors must be ordered with the ranks'
+    # streams even when rank 0 moves nothing (uneven all_to_all_single).
     cuda_up: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     if cuda_up and any(t.is_cuda for c in calls for t in tensors_of(c)):
         return Placement.CUDA
+    nbytes = calls[0].nbytes
+    if nbytes == 0:
+        return Placement.INLINE
     return Placement.THREAD if nbytes * len(calls) > inline_bytes else Placement.INLINE
 
 
@@ -89,7 +90,19 @@ def run_in_worker(
 
 
 def run_cuda(
-    loop: asyncio.AbstractEventLoop, run: Callable[[Sequence[Any]], list[Any]], calls: Sequence[Any]
+    loop: asyncio.AbstractEventLoop,
+    run: Callable[[Sequence[Any]], list[Any]],
+    calls: Sequence[Any],
+    issues: Sequence[Any] | None = None,
 ) -> asyncio.Future[list[Any]]:
-    """Run ``run(calls)`` on a CUDA side stream; the future completes on ``loop`` when it has."""
-    raise NotImplementedError("the CUDA stream path is being written")
+    """Enqueue ``run(calls)`` on a CUDA side stream; the future completes on ``loop`` when it has run.
+
+    ``issues`` are the ranks' ``_cuda.issue`` records, taken when each rank called.
+    Without them the op is ordered after the loop thread's current streams only: right
+    for async ranks, too early for ranks in threads.
+    """
+    from . import _cuda  # imported on first use: _cuda builds on this module
+
+    if issues is None:
+        issues = [_cuda.issue(c) for c in calls]
+    return _cuda.run_cuda(loop, run, calls, issues)
