@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from . import _cuda
 from . import _ops as ops
 from ._engine import Group, Site, Work, World, call_site, current_rank_state
 from ._errors import AiocollError, InvalidArgumentError
@@ -147,6 +148,9 @@ class Comm:
 
     def _join(self, call: Any) -> Work:
         work = Work(self._group, self.rank, call, self._site(), self._threaded)
+        # CUDA inputs are ready where the caller's current stream is now: mark it here, in
+        # the caller's thread (current streams are per thread)
+        work._cuda = _cuda.issue(call)
         faults = self._world.faults
         if faults is not None:
             hit = faults.check(work)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _device
+from . import _cuda, _device
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -272,6 +272,7 @@ class Work:
 
     __slots__ = (
         "_call",
+        "_cuda",
         "_event",
         "_fut",
         "_grank",
@@ -300,6 +301,9 @@ class Work:
         self._event = threading.Event() if threaded else None
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
+        # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
+        # done event (set by Comm._join in the caller's thread, whose streams it reads)
+        self._cuda: _cuda.Issue | None = None
 
     @property
     def _where(self) -> str:
@@ -324,6 +328,13 @@ class Work:
             finally:
                 self._unpark()
         return fut.result()
+
+    def _enqueued(self) -> None:
+        """Its CUDA op is on a stream: a thread blocked in wait() may go on (NCCL's semantics)."""
+        iss = self._cuda
+        if self._event is not None and iss is not None and iss.done is not None:
+            self._unpark()
+            self._event.set()
 
     def _unpark(self) -> None:
         st = self._parked_on
@@ -400,6 +411,13 @@ class Work:
                 raise CollectiveTimeoutError(
                     f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
                 )
+        iss = self._cuda
+        if iss is not None and iss.done is not None and not self._fut.done():
+            # Enqueued on a CUDA stream, not finished: as with NCCL, order the caller's
+            # current stream after the op instead of waiting for it. An error the device
+            # reports later aborts the world, and the rank sees it at its next call.
+            _cuda.stream_wait(iss)
+            return None  # what tensor collectives return
         return self._fut.result()
 
     def torch_future(self, value: Any) -> torch.futures.Future[Any]:
@@ -800,7 +818,10 @@ class World:
         self._busy = rdv.works
         self.in_flight += 1
         if where is _device.Placement.CUDA:
-            fut = _device.run_cuda(self.loop, op.run, rdv.calls)
+            fut = _device.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
+            for w in rdv.works:
+                if w is not None:
+                    w._enqueued()
         else:
             fut = _device.run_in_worker(self.loop, op.run, rdv.calls)
         fut.add_done_callback(functools.partial(self._ran, rdv))

@@ -193,7 +193,7 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
     if kind == _R.MAX:
         return stacked.amax(0)
     if kind == _R.PREMUL_SUM:
-        scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype)
+        scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype, device=stacked.device)
         return (stacked * scale.view(-1, *([1] * (stacked.dim() - 1)))).sum(0, dtype=dtype)
     raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 import aiocoll
 from aiocoll import _cuda, _device
-from aiocoll._engine import Work
 from aiocoll._ops import AllGather, AllReduce, Reduce, ReduceScatterTensor, Reduction
 
 SUM = Reduction.of(dist.ReduceOp.SUM)
@@ -418,7 +417,6 @@ def test_sync_ranks_complete_a_cuda_op(on_fake_cuda: FakeHw) -> None:
     assert aiocoll.spawn(worker, world=2, torch_distributed=False) == [[3.0, 3.0]] * 2
 
 
-@pytest.mark.skipif("_cuda" not in Work.__slots__, reason="the engine's CUDA hook is not in yet")
 def test_sync_wait_returns_once_enqueued_and_orders_the_callers_stream(on_fake_cuda: FakeHw) -> None:
     gate = on_fake_cuda.gate = threading.Event()  # the op "runs" on the device until set
     backstop = threading.Timer(10, gate.set)  # a failure must not hang the suite
