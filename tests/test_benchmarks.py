@@ -146,3 +146,18 @@ def test_bench_suite_without_matplotlib(tmp_path: Path) -> None:
     assert "no plot: matplotlib is not installed" in proc.stdout
     assert not (tmp_path / "r.png").exists()
     assert json.loads(out.read_text())["cells"][0]["systems"]["floor"]["median"] > 0
+
+
+def test_bench_process_group_quick() -> None:
+    script = BENCH_ALLREDUCE.parent / "bench_process_group.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["path", "iters", "us", "per", "op", "overhead", "us", "vs", "blocking"]
+    blocking = [line.split() for line in lines if "dist.all_reduce(t)" in line]
+    bridged = [line.split() for line in lines if "aiocoll on asyncio" in line]
+    assert blocking, proc.stdout
+    assert bridged, proc.stdout
+    assert float(blocking[0][2]) > 0
+    assert float(bridged[0][4]) > 0
+    assert bridged[0][-1].endswith("x")
