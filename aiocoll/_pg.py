@@ -27,6 +27,7 @@ import ctypes
 import pickle
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -375,7 +376,8 @@ class Issuer:
         await issuer.issue(_ops.AllReduce(t, _ops.Reduction.of("sum")))
     """
 
-    _by_pg: ClassVar[dict[int, Issuer]] = {}
+    # weak: a group's issuer lives as long as some Comm uses it, and never keeps the group alive
+    _by_pg: ClassVar[weakref.WeakValueDictionary[int, Issuer]] = weakref.WeakValueDictionary()
 
     def __init__(self, pg: dist.ProcessGroup, timeout: float | None = None) -> None:
         self.pg = pg
@@ -406,7 +408,8 @@ class Issuer:
         key = id(pg)
         iss = cls._by_pg.get(key)
         if iss is None or iss.pg is not pg:
-            iss = cls._by_pg[key] = cls(pg, timeout)
+            iss = cls(pg, timeout)
+            cls._by_pg[key] = iss
         elif timeout is not None:
             iss.set_timeout(timeout)
         return iss
