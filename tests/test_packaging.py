@@ -148,7 +148,7 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     assert meta["License-Expression"] == "BSD-3-Clause"
     assert meta.get_all("License-File") == ["LICENSE"]
     assert meta["Description-Content-Type"] == "text/markdown"
-    assert set(meta.get_all("Provides-Extra") or []) == {"uvloop", "test"}
+    assert set(meta.get_all("Provides-Extra") or []) == {"uvloop", "test", "plot"}  # plot: the benchmarks
 
     reqs = [_requirement(r) for r in meta.get_all("Requires-Dist") or []]
     required = {name for name, extra in reqs if extra is None}
