@@ -15,7 +15,8 @@ Systems:
 
 * ``floor``: the least torch work for the same bytes, in one thread, no ranks: for an all_reduce of W tensors,
   one W-way sum plus W ``copy_`` (the faster of ``torch.stack(ts).sum(0)`` and chained ``add_`` into a
-  scratch tensor, both timed in every sample); for all_gather_into_tensor, W copies into the output's slices.
+  scratch tensor, both timed in every sample); for all_gather_into_tensor, W copies of the gathered result,
+  one into every rank's output (the inputs into one output's slices, then that output into the W-1 others).
 * ``threaded PG``: torch's test-only ``multi_threaded_pg`` as torch's tests use it: one thread per rank,
   thread isolation mode on, ``init_process_group("threaded")`` with a HashStore (see ``_harness.py``).
 * ``gloo``: W real processes (``_gloo_worker.py``, which imports only torch) rendezvousing over a FileStore,
@@ -186,14 +187,20 @@ def floor_all_reduce(world: int, numel: int, iters: int) -> tuple[float, float]:
 
 
 def floor_all_gather(world: int, numel: int, iters: int) -> float:
-    """Seconds per all_gather-equivalent: W copies of ``numel`` elements into the slices of one output."""
+    """Seconds per all_gather-equivalent: the W inputs into one output's slices, then W-1 copies of that output.
+
+    Like the all_reduce floor's "W copies" of the result, every rank's output is written once: W ranks
+    each receive W*numel elements. (Filling a single output would be 1/W of the bytes the op must write.)
+    """
     inputs = [torch.full((numel,), float(r)) for r in range(world)]
-    out = torch.empty(numel * world)
-    slices = [out[r * numel : (r + 1) * numel] for r in range(world)]
+    outs = [torch.empty(numel * world) for _ in range(world)]
+    slices = [outs[0][r * numel : (r + 1) * numel] for r in range(world)]
 
     def copies() -> None:
         for dst, src in zip(slices, inputs, strict=True):
             dst.copy_(src)
+        for out in outs[1:]:
+            out.copy_(outs[0])
 
     return timed_loop(copies, warmup_for(iters), iters) / iters
 
