@@ -948,3 +948,19 @@ def test_large_half_sums_accumulate_once() -> None:
     # accumulated in float32 and rounded once, not rounded at every one of 63 adds
     assert torch.equal(got, torch.stack(ts).sum(0, dtype=torch.bfloat16))
     assert got[0].item() == pytest.approx(6.4, rel=1e-2)
+
+
+def test_large_all_reduce_in_place_and_with_shared_storage() -> None:
+    from aiocoll._ops import _CHAIN_MIN, AllReduce, Reduction
+
+    red = Reduction.of(dist.ReduceOp.SUM)
+    ts = [torch.full((_CHAIN_MIN,), float(r + 1)) for r in range(3)]
+    AllReduce.run([AllReduce(t, red) for t in ts])
+    assert all(t[0].item() == 6.0 for t in ts)
+    # ranks 0 and 2 pass views of the same memory: summing into rank 0's tensor would
+    # change rank 2's input before it is read (giving (1 + 2) * 2 = 6), so the op stages
+    buf = torch.ones(_CHAIN_MIN)
+    a, c = buf[:], buf.view(-1)
+    b = torch.full((_CHAIN_MIN,), 2.0)
+    AllReduce.run([AllReduce(a, red), AllReduce(b, red), AllReduce(c, red)])
+    assert a[0].item() == b[0].item() == c[0].item() == 4.0
