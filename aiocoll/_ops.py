@@ -104,13 +104,13 @@ class Reduction:
                     "argument 'op': PREMUL_SUM needs a factor; build it with "
                     "torch.distributed._make_nccl_premul_sum(factor)"
                 )
-            return cls(op)
+            return _reduction(int(op))
         if isinstance(op, dist.ReduceOp):
             # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both.
             kind = getattr(op, "op")  # noqa: B009
             if kind == _R.PREMUL_SUM:
-                return cls(kind, getattr(op, "factor"))  # noqa: B009
-            return cls(kind)
+                return _reduction(int(kind), getattr(op, "factor"))  # noqa: B009
+            return _reduction(int(kind))
         raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
 
     @property
@@ -142,15 +142,31 @@ class Reduction:
         elif kind in (_R.MIN, _R.MAX) and dtype.is_complex:
             raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})")
 
+    def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
+        # unpickled (a hybrid world's exchange), a Reduction holds the canonical kind too
+        return (_reduction, (int(self.kind), self.factor))
+
     def __repr__(self) -> str:
         if self.factor is None:
             return f"ReduceOp.{self.name}"
         return f"ReduceOp.PREMUL_SUM({_scalar(self.factor)})"
 
 
-# RedOpType members are singletons: look them up by identity, as comparing them with
-# == costs about a microsecond each
+# The RedOpType members of dist.ReduceOp are looked up by identity, as comparing them with
+# == costs about a microsecond each. torch hands out other objects of equal value (e.g.
+# ReduceOp(SUM).op): every Reduction holds the canonical member, so identity checks in
+# the ops hold whatever spelling the caller used.
+_CANON = {int(k): k for k in _NAMES}
 _PLAIN = {id(k): Reduction(k) for k in _NAMES if k is not _R.PREMUL_SUM}
+
+
+def _reduction(value: int, factor: float | torch.Tensor | None = None) -> Reduction:
+    kind = _CANON[value]
+    if factor is None:
+        return _PLAIN[id(kind)]
+    return Reduction(kind, factor)
+
+
 _DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
 
 

@@ -964,3 +964,15 @@ def test_large_all_reduce_in_place_and_with_shared_storage() -> None:
     b = torch.full((_CHAIN_MIN,), 2.0)
     AllReduce.run([AllReduce(a, red), AllReduce(b, red), AllReduce(c, red)])
     assert a[0].item() == b[0].item() == c[0].item() == 4.0
+
+
+def test_every_spelling_of_a_reduce_op_gets_the_canonical_kind() -> None:
+    from aiocoll._ops import Reduction
+
+    R = dist.ReduceOp
+    for spelling in (R.SUM, dist.ReduceOp(R.SUM), "sum", pickle.loads(pickle.dumps(Reduction.of(R.SUM)))):
+        # identity, not just equality: the ops' fast paths test "kind is SUM"
+        assert Reduction.of(spelling).kind is R.SUM
+    premul = pickle.loads(pickle.dumps(Reduction.of(dist._make_nccl_premul_sum(2.0))))
+    assert premul.kind is R.PREMUL_SUM
+    assert premul.factor == 2.0
