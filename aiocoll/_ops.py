@@ -104,13 +104,13 @@ class Reduction:
                     "argument 'op': PREMUL_SUM needs a factor; build it with "
                     "torch.distributed._make_nccl_premul_sum(factor)"
                 )
-            return _reduction(int(op))
+            return _reduction(op.value)
         if isinstance(op, dist.ReduceOp):
             # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both.
             kind = getattr(op, "op")  # noqa: B009
             if kind == _R.PREMUL_SUM:
-                return _reduction(int(kind), getattr(op, "factor"))  # noqa: B009
-            return _reduction(int(kind))
+                return _reduction(kind.value, getattr(op, "factor"))  # noqa: B009
+            return _reduction(kind.value)
         raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
 
     @property
@@ -144,7 +144,7 @@ class Reduction:
 
     def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
         # unpickled (a hybrid world's exchange), a Reduction holds the canonical kind too
-        return (_reduction, (int(self.kind), self.factor))
+        return (_reduction, (self.kind.value, self.factor))
 
     def __repr__(self) -> str:
         if self.factor is None:
@@ -156,7 +156,7 @@ class Reduction:
 # == costs about a microsecond each. torch hands out other objects of equal value (e.g.
 # ReduceOp(SUM).op): every Reduction holds the canonical member, so identity checks in
 # the ops hold whatever spelling the caller used.
-_CANON = {int(k): k for k in _NAMES}
+_CANON = {k.value: k for k in _NAMES}
 _PLAIN = {id(k): Reduction(k) for k in _NAMES if k is not _R.PREMUL_SUM}
 
 
