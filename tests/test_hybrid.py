@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import aiocoll
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import _loopback_env, _same, table
+from test_process_group import _same, run_processes, table
 
 PROCS = 2
 PER_PROC = 2
@@ -127,26 +126,8 @@ def _process_main(argv: list[str]) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("hybrid")
     init = (tmp / "store").as_uri()
-    procs = []
-    for p in range(PROCS):
-        err = (tmp / f"proc{p}.err").open("wb")
-        cmd = [sys.executable, __file__, str(p), init, str(tmp / f"proc{p}.pt")]
-        procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        for p, _ in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            err.close()
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"proc{r}.pt").exists()]
-    if failed:
-        r = failed[0]
-        pytest.fail(f"process {r} failed:\n{(tmp / f'proc{r}.err').read_text()[-4000:]}")
-    return [torch.load(tmp / f"proc{r}.pt", weights_only=False) for r in range(PROCS)]
+    saved, _ = run_processes(__file__, [[str(p), init] for p in range(PROCS)], tmp)
+    return saved
 
 
 def _flat(fn: Any, world: int) -> list[Any]:

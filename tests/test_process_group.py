@@ -340,18 +340,22 @@ def _loopback_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-    """The table in 4 gloo processes and in-process: (gloo, aiocoll) results by rank."""
-    tmp = tmp_path_factory.mktemp("pg")
-    init = (tmp / "store").as_uri()
+def run_processes(
+    script: str, args: list[list[str]], tmp: Path, meanwhile: Callable[[], Any] = lambda: None
+) -> tuple[list[Any], Any]:
+    """Run ``python script *args[i]`` for every i on loopback, each saving to ``tmp/proc{i}.pt``.
+
+    The last argument of each command is that path. Calls ``meanwhile()`` while they run;
+    returns what each process saved and what ``meanwhile`` returned. Fails the test, with
+    the process's output, if one fails.
+    """
     procs = []
-    for rank in range(WORLD):
-        err = (tmp / f"rank{rank}.err").open("wb")
-        cmd = [sys.executable, __file__, str(rank), str(WORLD), init, str(tmp / f"rank{rank}.pt")]
+    for i, a in enumerate(args):
+        err = (tmp / f"proc{i}.err").open("wb")
+        cmd = [sys.executable, script, *a, str(tmp / f"proc{i}.pt")]
         procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
     try:
-        local = aiocoll.spawn(table, world=WORLD, timeout=30)
+        other = meanwhile()
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         for p, _ in procs:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -361,11 +365,20 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, ob
                 p.kill()
                 p.wait()
             err.close()
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"rank{r}.pt").exists()]
+    failed = [i for i, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"proc{i}.pt").exists()]
     if failed:
-        r = failed[0]
-        pytest.fail(f"gloo rank {r} failed:\n{(tmp / f'rank{r}.err').read_text()[-4000:]}")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], local
+        i = failed[0]
+        pytest.fail(f"process {i} failed:\n{(tmp / f'proc{i}.err').read_text()[-4000:]}")
+    return [torch.load(tmp / f"proc{i}.pt", weights_only=False) for i in range(len(args))], other
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The table in 4 gloo processes and in-process: (gloo, aiocoll) results by rank."""
+    tmp = tmp_path_factory.mktemp("pg")
+    init = (tmp / "store").as_uri()
+    args = [[str(rank), str(WORLD), init] for rank in range(WORLD)]
+    return run_processes(__file__, args, tmp, lambda: aiocoll.spawn(table, world=WORLD, timeout=30))
 
 
 def _same(a: object, b: object) -> bool:
