@@ -58,6 +58,18 @@ async def big(comm: aiocoll.Comm) -> list[Any]:
     return [t, out.sum(), half.rank, u, b, got]
 
 
+def threads(comm: aiocoll.Comm) -> list[Any]:
+    """Sync ranks (a plain def: one thread per rank) in a hybrid world."""
+    t = torch.arange(3.0) + comm.rank
+    comm.all_reduce(t).wait()
+    got = torch.zeros(1)
+    right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    sent = comm.send(torch.tensor([comm.rank * 2.0]), right)
+    comm.recv(got, left).wait()
+    sent.wait()
+    return [t, got, comm.all_gather_object(comm.rank).wait()]
+
+
 async def mismatch(comm: aiocoll.Comm) -> str:
     t = torch.ones(2)
     try:
@@ -103,6 +115,7 @@ def _process_main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     out["big"] = aiocoll.spawn(big, world=PROCS * BIG_PER_PROC, process_group=world, timeout=30)
     out["big_seconds"] = time.perf_counter() - t0
+    out["threads"] = aiocoll.spawn(threads, world=4, process_group=world, timeout=30)
     try:
         out["mismatch"] = aiocoll.spawn(mismatch, world=4, process_group=world, timeout=30)
     except aiocoll.CollectiveMismatchError as e:
@@ -160,6 +173,13 @@ def test_a_large_world_is_bitwise_a_flat_world(results: list[dict[str, Any]]) ->
         assert _same(h, f), f"rank {r}: hybrid {h!r} != flat {f!r}"
     # the sum of 512 inexact floats: any other order would differ in the last bits
     assert hybrid[0][0].tolist() == flat[0][0].tolist()
+
+
+def test_sync_ranks_in_a_hybrid_world(results: list[dict[str, Any]]) -> None:
+    hybrid = [r for proc in results for r in proc["threads"]]
+    flat = _flat(threads, 4)
+    assert all(_same(h, f) for h, f in zip(hybrid, flat, strict=True))
+    assert hybrid[2][1].item() == 2.0  # rank 2 got rank 1's message, from the other process
 
 
 def test_a_mismatch_across_processes_is_reported_in_every_process(results: list[dict[str, Any]]) -> None:
