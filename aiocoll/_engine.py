@@ -160,6 +160,22 @@ class RankState:
         if (now_blocked and not was_blocked) or (was_live and self.live == 0):
             w._check_deadlock()
 
+    # park/unpark, the two calls of every op, specialised from _change: a task that parks
+    # or unparks is live, so parked < live before a park and live > 0 throughout
+
+    def parked_one(self) -> None:
+        """One of its tasks (or its thread) now waits for a Work."""
+        self.parked += 1
+        if self.parked == self.live:
+            w = self.world
+            w._n_blocked += 1
+            w._check_deadlock()
+
+    def unparked(self) -> None:
+        if self.parked == self.live:
+            self.world._n_blocked -= 1
+        self.parked -= 1
+
     def enter(self) -> None:
         """A task or thread starts acting for this rank."""
         self._change(1, 0)
@@ -341,7 +357,7 @@ class Work:
         if st is not None:
             self._parked_on = None
             st.waiting.remove(self)
-            st._change(0, -1)
+            st.unparked()
 
     def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None:
         if self._fut.done():
@@ -668,7 +684,7 @@ class World:
             return  # held back by a fault: the rank is stuck or late, not waiting for peers
         work._parked_on = st
         st.waiting.append(work)
-        st._change(0, 1)
+        st.parked_one()
 
     def unpark(self, work: Work) -> None:
         work._unpark()
