@@ -6,6 +6,10 @@ Each process runs its own event loop; ``aiocoll.from_process_group()`` turns the
 process group into a ``Comm``, and ``work(comm)`` runs unchanged. Run without torchrun
 (``python examples/torchrun_allreduce.py``), the very same ``work`` runs on 2 in-process
 ranks of ``aiocoll.spawn``, and prints the same lines.
+
+Under torchrun it then runs ``work`` once more, on a *hybrid world*: each process runs 2
+in-process ranks and the 2 processes together make one world of 4, as an in-process
+``aiocoll.spawn(work, world=4)`` would.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ async def main() -> None:
     dist.init_process_group("gloo")
     try:
         print(await work(aiocoll.from_process_group()), flush=True)
+        # the same function on 2 processes x 2 in-process ranks: this process's 2 results
+        world = dist.group.WORLD
+        assert world is not None
+        for line in await aiocoll.spawn_async(work, world=2 * dist.get_world_size(), process_group=world):
+            print(f"hybrid {line}", flush=True)
     finally:
         dist.destroy_process_group()
 

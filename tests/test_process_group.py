@@ -525,6 +525,11 @@ def test_example_under_torchrun() -> None:
         "rank 0 of 2: all_reduce [1.0, 1.0, 1.0], objects ['rank0', 'rank1']",
         "rank 1 of 2: all_reduce [1.0, 1.0, 1.0], objects ['rank0', 'rank1']",
     ], r.stdout + r.stderr
+    # then 2 processes x 2 ranks: what a flat world of 4 prints
+    hybrid = sorted(line.removeprefix("hybrid ") for line in r.stdout.splitlines() if line.startswith("hybrid"))
+    assert hybrid == [
+        f"rank {k} of 4: all_reduce [6.0, 6.0, 6.0], objects {[f'rank{j}' for j in range(4)]}" for k in range(4)
+    ]
 
 
 if __name__ == "__main__":
