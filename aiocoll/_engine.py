@@ -633,6 +633,8 @@ class World:
         self._busy: Sequence[Work | None] | None = None
         self._queue: deque[tuple[Sequence[Work | None], Callable[[], None]]] = deque()
         self.inline_bytes = _device.INLINE_BYTES
+        # works waiting on other processes (hybrid worlds): collectives in an exchange, p2p
+        self._remote: set[Work] = set()
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -668,6 +670,7 @@ class World:
             work._resolve(exc=self._aborted_error())
         elif bridge is not None and (fut := bridge.p2p(work)) is not None:
             self.in_flight += 1  # the other process will answer, or the group's timeout will
+            self._remote.add(work)
             fut.add_done_callback(functools.partial(self._p2p_bridged, work))
         elif isinstance(call, Send):
             self._send(work)
@@ -846,7 +849,8 @@ class World:
         """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
         self._busy = None
         self.in_flight -= 1
-        exc = fut.exception()
+        # (cancelled: the CUDA poller was stopped, or the executor shut down with the loop)
+        exc = WorldAbortedError(f"{rdv.where}: the op was cancelled") if fut.cancelled() else fut.exception()
         if self.aborted is not None:
             pass  # its ranks were released by the abort
         elif exc is not None:
@@ -871,11 +875,13 @@ class World:
         """Every local member arrived; the bridge fetches the other processes' calls and runs the op."""
         assert rdv.group.bridge is not None
         self.in_flight += 1  # the exchange will end (or fail): no deadlock meanwhile
+        self._remote.update(w for w in rdv.works if w is not None)
         fut = rdv.group.bridge.run(rdv)
         fut.add_done_callback(functools.partial(self._bridge_done, rdv))
 
     def _bridge_done(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
         self.in_flight -= 1
+        self._remote.difference_update(rdv.works)
         exc = None if fut.cancelled() else fut.exception()
         if self.aborted is not None:
             pass  # its ranks were released by the abort
@@ -1035,6 +1041,7 @@ class World:
 
     def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
         self.in_flight -= 1
+        self._remote.discard(work)
         exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()
         if exc is not None:
             self._op_failed((work,), exc)
@@ -1133,9 +1140,10 @@ class World:
                     for _, w in q:
                         w._resolve(exc=self._aborted_error())
             g.sends.clear()
-        # An op running off the loop cannot be stopped; its ranks are released now, and
-        # what it writes when it ends goes nowhere. Queued ops never start.
-        for works in [self._busy or (), *(ws for ws, _ in self._queue)]:
+        # An op running off the loop (or an exchange with other processes) cannot be
+        # stopped; its ranks are released now, and what it writes when it ends goes
+        # nowhere. Queued ops never start.
+        for works in [self._busy or (), *(ws for ws, _ in self._queue), list(self._remote)]:
             for w in works:
                 if w is not None:
                     w._resolve(exc=self._aborted_error())

@@ -130,9 +130,29 @@ def _process_main(argv: list[str]) -> None:
         aiocoll.spawn(any_source, world=3, process_group=world)
     except aiocoll.InvalidArgumentError as e:
         out["bad_world"] = str(e)
+    if proc == 0:
+        # last, as it leaves the group out of step: process 1 never comes, and process 0
+        # gives up on its world while its ranks wait in the exchange
+        out["cancelled"] = asyncio.run(_cancel_in_exchange(world))
+    else:
+        time.sleep(2.0)  # alive, so process 0 waits rather than sees a closed connection
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)
-    dist.destroy_process_group()
+    os._exit(0)  # an exchange is left pending on purpose: no orderly teardown
+
+
+def _lonely(comm: aiocoll.Comm) -> None:
+    # ranks in threads: an abort, not a task cancellation, is what can release them
+    comm.all_reduce(torch.ones(1)).wait()
+
+
+async def _cancel_in_exchange(world: dist.ProcessGroup) -> float:
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wait_for(aiocoll.spawn_async(_lonely, world=4, process_group=world, timeout=30), 0.5)
+    except TimeoutError:
+        return time.perf_counter() - t0
+    return -1.0
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +225,11 @@ def test_a_failing_rank_releases_the_other_process_at_once(results: list[dict[st
     flat = _flat(big, 4)
     after = [r for proc in results for r in proc["after_failure"]]
     assert all(_same(a, f) for a, f in zip(after, flat, strict=True))
+
+
+def test_cancelling_a_world_releases_ranks_waiting_on_another_process(results: list[dict[str, Any]]) -> None:
+    # the ranks waited in an exchange that could only end at the 30 s timeout
+    assert 0.5 <= results[0]["cancelled"] < 2.0
 
 
 def test_any_source_recv_and_bad_world_are_refused(results: list[dict[str, Any]]) -> None:
