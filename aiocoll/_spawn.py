@@ -229,6 +229,11 @@ async def spawn_async(
         ) from None
     hybrid = None
     if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise InvalidArgumentError(
+                "spawn: argument 'process_group' must be a torch.distributed ProcessGroup "
+                f"(e.g. dist.group.WORLD) or None, got {type(process_group).__name__}"
+            )
         from ._hybrid import HybridWorld  # only hybrid worlds need the process-group machinery
 
         hybrid = HybridWorld(process_group, world, timeout)

@@ -232,6 +232,11 @@ def test_cancelling_a_world_releases_ranks_waiting_on_another_process(results: l
     assert 0.5 <= results[0]["cancelled"] < 2.0
 
 
+def test_process_group_must_be_a_process_group() -> None:
+    with pytest.raises(aiocoll.InvalidArgumentError, match="argument 'process_group' must be a torch\\.distributed"):
+        aiocoll.spawn(big, world=4, process_group="gloo")  # type: ignore[call-overload]
+
+
 def test_any_source_recv_and_bad_world_are_refused(results: list[dict[str, Any]]) -> None:
     for proc in results:
         for msg in proc["any_source"]:
