@@ -71,7 +71,6 @@ class HybridWorld:
         self.local = range(self.proc * self.per_proc, (self.proc + 1) * self.per_proc)
         self.timeout = timeout
         self.id = next(_made_worlds)
-        self.issuer = Issuer.of(pg, timeout)
         self.world: World | None = None
         self.bridge: PGBridge | None = None  # the world group's
         self.farewell: asyncio.Future[Any] | None = None  # the abort notice sent to the others
@@ -118,6 +117,23 @@ class HybridWorld:
         if self.farewell is not None:
             await asyncio.wait([self.farewell], timeout=grace)
 
+    def close(self) -> None:
+        """Let go of the process groups (the world has ended).
+
+        The world's objects form reference cycles that only the garbage collector frees,
+        perhaps at interpreter exit; a gloo group still alive then can abort the process
+        ("terminate called without an active exception"). Dropping the references here
+        frees the groups by refcount, when ``destroy_process_group`` expects it.
+        """
+        if self.world is not None:
+            for g in self.world._all_groups():
+                if isinstance(g.bridge, PGBridge):
+                    g.bridge.close()
+                g.bridge = None
+            self.world.hybrid = None
+        self.bridge = self.world = self.farewell = None
+        self._made.clear()
+
     def __repr__(self) -> str:
         return f"<HybridWorld process {self.proc}/{self.procs}, ranks {self.local.start}..{self.local.stop - 1}>"
 
@@ -131,7 +147,9 @@ class PGBridge:
         self.pg = pg
         self.procs = procs  # pg rank i is process procs[i]
         self.name = str(getattr(pg, "group_name", "?"))
-        self.issuer = Issuer.of(pg, hybrid.timeout)  # held: p2p of the group goes through one issuer
+        # the group's issuer: its timeout and error mapping, and the p2p it carries (held,
+        # so that all of the group's p2p goes through one)
+        self.issuer = Issuer.of(pg, hybrid.timeout)
         self._tail: asyncio.Future[Any] | None = None  # the exchange before this one
 
     def run(self, rdv: Rendezvous) -> asyncio.Future[list[Any]]:
@@ -183,9 +201,9 @@ class PGBridge:
                 f"{rdv.calls[mine[0][0]].name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
             ) from e
         try:
-            blobs = await all_gather_bytes(self.pg, payload, timeout=self.hybrid.issuer.timeout)
+            blobs = await all_gather_bytes(self.pg, payload, timeout=self.issuer.timeout)
         except RuntimeError as e:
-            raise self.hybrid.issuer.error(f"{rdv.calls[mine[0][0]].name} {rdv.where}", e) from e
+            raise self.issuer.error(f"{rdv.calls[mine[0][0]].name} {rdv.where}", e) from e
         calls: list[Any] = list(rdv.calls)
         sites: list[Site | None] = [None] * self.group.size
         for i, blob in enumerate(blobs):
@@ -204,13 +222,16 @@ class PGBridge:
         async def send(prev: asyncio.Future[Any] | None) -> None:
             if prev is not None and not prev.done():
                 await asyncio.wait([prev])
-            await all_gather_bytes(self.pg, _dumps((_ABORT, message)), timeout=self.hybrid.issuer.timeout)
+            await all_gather_bytes(self.pg, _dumps((_ABORT, message)), timeout=self.issuer.timeout)
 
         loop = self.group.world.loop
         task = self.hybrid.context.run(loop.create_task, send(self._tail))
         self._tail = task
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no log
         return task
+
+    def close(self) -> None:
+        self._tail = None  # the last exchange's task, whose frame refers back to the bridge
 
     def p2p(self, work: Work) -> asyncio.Future[Any] | None:
         call, g = work._call, self.group

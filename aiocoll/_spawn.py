@@ -323,6 +323,8 @@ async def spawn_async(
             _c10d.uninstall()
         if trace is not None and w.recorder is not None:
             w.recorder.write_trace(trace)
+        if hybrid is not None:
+            hybrid.close()
     _retrieve(runners)
     if failures:
         raise _report(w, failures)
