@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,16 +31,23 @@ async def work(comm: aiocoll.Comm) -> str:
     return f"rank {comm.rank} of {comm.world_size}: all_reduce {t.tolist()}, objects {names}"
 
 
+def say(line: str) -> None:
+    # one write per line: torchrun's processes share one stdout, and a line written in
+    # pieces could interleave with another process's
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 async def main() -> None:
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for init_process_group
     dist.init_process_group("gloo")
     try:
-        print(await work(aiocoll.from_process_group()), flush=True)
+        say(await work(aiocoll.from_process_group()))
         # the same function on 2 processes x 2 in-process ranks: this process's 2 results
         world = dist.group.WORLD
         assert world is not None
         for line in await aiocoll.spawn_async(work, world=2 * dist.get_world_size(), process_group=world):
-            print(f"hybrid {line}", flush=True)
+            say(f"hybrid {line}")
     finally:
         dist.destroy_process_group()
 
