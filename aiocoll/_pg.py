@@ -70,9 +70,20 @@ _Done = Callable[[BaseException | None], None]
 # -- bridging torch completions into the loop ----------------------------------------------
 
 
-def _call_on(loop: asyncio.AbstractEventLoop, fn: _Done, exc: BaseException | None) -> None:
+# Completions arrive on torch's threads (gloo's workers) or ours. The callback we hand over
+# is kept in a one-item box that only the loop empties: were the last reference to it
+# (and through it to a Comm, its issuer and the process group) dropped on a gloo worker
+# thread, after destroy_process_group, the group would be destroyed on its own worker
+# thread, which aborts the process ("terminate called without an active exception").
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, box: list[_Done], exc: BaseException | None) -> None:
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
-        loop.call_soon_threadsafe(fn, exc)
+        loop.call_soon_threadsafe(_take_and_call, box, exc)
+
+
+def _take_and_call(box: list[_Done], exc: BaseException | None) -> None:
+    box.pop()(exc)
 
 
 class _Waiters:
@@ -83,28 +94,28 @@ class _Waiters:
     """
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[dist.Work, asyncio.AbstractEventLoop, _Done]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[dist.Work, asyncio.AbstractEventLoop, list[_Done]]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
 
-    def submit(self, work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done) -> None:
+    def submit(self, work: dist.Work, loop: asyncio.AbstractEventLoop, box: list[_Done]) -> None:
         with self._lock:
             if self._idle:
                 self._idle -= 1
             else:
                 threading.Thread(target=self._run, name="aiocoll-pg-wait", daemon=True).start()
-        self._q.put((work, loop, fn))
+        self._q.put((work, loop, box))
 
     def _run(self) -> None:
         while True:
-            work, loop, fn = self._q.get()
+            work, loop, box = self._q.get()
             exc: BaseException | None = None
             try:
                 work.wait()
             except BaseException as e:
                 exc = e
-            _call_on(loop, fn, exc)
-            del work, loop, fn
+            _call_on(loop, box, exc)
+            del work, loop, box, exc
             with self._lock:
                 self._idle += 1
 
@@ -114,10 +125,11 @@ _waiters = _Waiters()
 
 def when_done(work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done) -> None:
     """Call ``fn(None)`` (or ``fn(error)``) on ``loop``'s thread once ``work`` completes."""
+    box = [fn]
     try:
         tfut = work.get_future()
     except RuntimeError:  # "Work::getFuture not implemented" (gloo: send, recv, reduce-scatters)
-        _waiters.submit(work, loop, fn)
+        _waiters.submit(work, loop, box)
         return
 
     def done(f: torch.futures.Future[Any]) -> None:
@@ -126,7 +138,7 @@ def when_done(work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done) -> No
             f.value()  # raises the op's error
         except BaseException as e:
             exc = e
-        _call_on(loop, fn, exc)
+        _call_on(loop, box, exc)
 
     tfut.add_done_callback(done)
 
@@ -166,13 +178,16 @@ def bridge_future(
     loop = loop or asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
 
+    box: list[asyncio.Future[Any]] = [fut]  # emptied on the loop (see _call_on)
+
     def settle(f: torch.futures.Future[Any]) -> None:
-        if fut.done():
+        out = box.pop()
+        if out.done():
             return
         try:
-            fut.set_result(f.value())
+            out.set_result(f.value())
         except BaseException as e:
-            fut.set_exception(e)
+            out.set_exception(e)
 
     def done(f: torch.futures.Future[Any]) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
