@@ -10,6 +10,7 @@ do not interfere.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import time
@@ -148,3 +149,11 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     if dist.is_initialized():  # the main thread's world must be untouched
         raise Unavailable("it left a default process group behind in the main thread")
     return [results[rank] for rank in range(world)]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

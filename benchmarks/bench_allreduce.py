@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from _harness import Unavailable, run_threaded_pg, timed_dist_all_reduce
+from _harness import Unavailable, positive_int, run_threaded_pg, timed_dist_all_reduce
 
 import aiocoll
 
@@ -215,13 +215,6 @@ def format_row(world: int, results: dict[str, Result]) -> str:
             fmt_ratio(pg, sync),
         ]
     )
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

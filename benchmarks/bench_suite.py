@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from _harness import (
     Unavailable,
+    positive_int,
     run_threaded_pg,
     timed_dist_all_gather,
     timed_dist_all_reduce,
@@ -892,13 +893,6 @@ def plot(data: dict[str, Any], path: Path) -> bool:
 
 
 # -- command line ----------------------------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
