@@ -17,11 +17,14 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+if TYPE_CHECKING:
+    from aiocoll import Comm
 
 T = TypeVar("T")
 
@@ -62,6 +65,21 @@ def timed_dist_all_reduce(rank: int, world: int, warmup: int, iters: int, numel:
     """One rank's part, through torch.distributed: a checked all_reduce, the warm-up, the timed loop."""
     t = checked_dist_all_reduce(rank, world, numel)
     return timed_loop(lambda: dist.all_reduce(t), warmup, iters)
+
+
+async def timed_comm_all_reduce(comm: Comm, warmup: int, iters: int, numel: int = 1) -> float:
+    """Seconds for ``iters`` awaited ``comm.all_reduce``, after a checked first one and ``warmup`` more."""
+    t = torch.ones(numel)
+    await comm.all_reduce(t)
+    if t[0].item() != comm.world_size or t[-1].item() != comm.world_size:
+        raise AssertionError(f"rank {comm.rank}: all_reduce gave {t[0].item()}, expected {comm.world_size}")
+    t.zero_()
+    for _ in range(warmup):
+        await comm.all_reduce(t)
+    start = time.perf_counter()
+    for _ in range(iters):
+        await comm.all_reduce(t)
+    return time.perf_counter() - start
 
 
 def timed_dist_all_gather(rank: int, world: int, warmup: int, iters: int, numel: int) -> float:

@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from _harness import Unavailable, positive_int, run_threaded_pg, timed_dist_all_reduce
+from _harness import Unavailable, positive_int, run_threaded_pg, timed_comm_all_reduce, timed_dist_all_reduce
 
 import aiocoll
 
@@ -96,17 +96,7 @@ def measure_aiocoll(world: int, warmup: int, iters: int, loop: Literal["asyncio"
     """Seconds per all_reduce over ``iters`` timed iterations on one aiocoll world, as seen by rank 0."""
 
     async def rank_fn(comm: aiocoll.Comm) -> float | None:
-        t = torch.ones(1)
-        await comm.all_reduce(t)
-        if t.item() != comm.world_size:
-            raise AssertionError(f"rank {comm.rank}: all_reduce gave {t.item()}, expected {comm.world_size}")
-        t.zero_()
-        for _ in range(warmup):
-            await comm.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(iters):
-            await comm.all_reduce(t)
-        elapsed = time.perf_counter() - start
+        elapsed = await timed_comm_all_reduce(comm, warmup, iters)
         return elapsed if comm.rank == 0 else None
 
     elapsed = aiocoll.spawn(rank_fn, world=world, loop=loop)[0]

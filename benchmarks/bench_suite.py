@@ -75,6 +75,7 @@ from _harness import (
     Unavailable,
     positive_int,
     run_threaded_pg,
+    timed_comm_all_reduce,
     timed_dist_all_gather,
     timed_dist_all_reduce,
     timed_loop,
@@ -226,17 +227,7 @@ def aiocoll_async_op(workload: str, world: int, iters: int) -> float:
             for _ in range(iters):
                 await comm.all_gather_into_tensor(out, inp)
             return time.perf_counter() - start
-        t = torch.ones(numel)
-        await comm.all_reduce(t)
-        if t[0].item() != world or t[-1].item() != world:
-            raise AssertionError(f"rank {comm.rank}: all_reduce gave {t[0].item()}, expected {world}")
-        t.zero_()
-        for _ in range(warmup):
-            await comm.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(iters):
-            await comm.all_reduce(t)
-        return time.perf_counter() - start
+        return await timed_comm_all_reduce(comm, warmup, iters, numel)
 
     return aiocoll.spawn(rank_fn, world=world)[0] / iters
 
