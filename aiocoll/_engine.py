@@ -890,12 +890,7 @@ class World:
                 rdv.works, WorldAbortedError(f"{rdv.where}: the exchange with other processes was cancelled")
             )
         elif isinstance(exc, CollectiveMismatchError):
-            first = True
-            for w in rdv.works:
-                if w is not None:
-                    w._resolve(exc=exc if first else type(exc)(str(exc)))
-                    first = False
-            self.abort(None, exc)
+            self._fail_rendezvous(rdv, CollectiveMismatchError, str(exc))
         elif exc is not None:
             self._op_failed(rdv.works, exc)
         else:
