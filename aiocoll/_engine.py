@@ -781,12 +781,8 @@ class World:
 
     def _report_mismatch(self, rdv: Rendezvous) -> None:
         self._mismatched.remove(rdv)
-        names = {type(c).name for c in rdv.calls if c is not None}
-        what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"
         self._fail_rendezvous(
-            rdv,
-            CollectiveMismatchError,
-            f"ranks called {what} as call #{rdv.seq} of group {rdv.group.name!r}:\n{rdv.table()}",
+            rdv, CollectiveMismatchError, mismatch_message(rdv.calls, rdv.seq, rdv.group.name, rdv.table())
         )
 
     def _complete(self, rdv: Rendezvous) -> None:
@@ -1278,6 +1274,13 @@ class World:
             f"<World size={self.size} {state} live={s['live_ranks']} blocked={s['blocked_ranks']} "
             f"pending={s['pending_collectives']}>"
         )
+
+
+def mismatch_message(calls: Sequence[Any], seq: int, group: str, table: str) -> str:
+    """The report of ranks whose calls at ``seq`` disagree (the pytest plugin parses its first line)."""
+    names = {type(c).name for c in calls if c is not None}
+    what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"
+    return f"ranks called {what} as call #{seq} of group {group!r}:\n{table}"
 
 
 def _first_line(e: BaseException) -> str:

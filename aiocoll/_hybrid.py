@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _device
 from . import _ops as ops
-from ._engine import Group, Rendezvous, Site, Work, World, fmt_site
+from ._engine import Group, Rendezvous, Site, Work, World, fmt_site, mismatch_message
 from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
 from ._pg import Issuer, _create_group, all_gather_bytes
 
@@ -168,11 +168,7 @@ class PGBridge:
         op = type(calls[0])
         sig = calls[0].signature()
         if any(c.signature() != sig for c in calls):
-            names = {c.name for c in calls}
-            what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"
-            raise CollectiveMismatchError(
-                f"ranks called {what} as call #{rdv.seq} of group {self.group.name!r}:\n{self._table(calls, sites)}"
-            )
+            raise CollectiveMismatchError(mismatch_message(calls, rdv.seq, self.group.name, self._table(calls, sites)))
         problem = op.check(calls)
         if problem is not None:
             raise CollectiveMismatchError(
