@@ -101,6 +101,8 @@ class Phase(enum.Enum):
     REMOTE = "in another process"  # a rank of a hybrid world that another process runs
 
 
+_P2P = (Send, Recv)  # for isinstance: a tuple, as ``Send | Recv`` builds a union object per call
+
 _rank_var: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
 
 
@@ -332,7 +334,13 @@ class Work:
         if not fut.done():
             st = _rank_var.get()
             if st is not None and st.world is self._rank.world:
-                st.world.park(self, st)
+                if self._parked_on is None and not st.world._held:
+                    # World.park's common case, inlined: this runs for every rank and op
+                    self._parked_on = st
+                    st.waiting.append(self)
+                    st.parked_one()
+                else:
+                    st.world.park(self, st)
             try:
                 yield from fut
             except asyncio.CancelledError:
@@ -342,7 +350,8 @@ class Work:
                     self._rank.world._cancelled(self)
                 raise
             finally:
-                self._unpark()
+                if self._parked_on is not None:  # (_resolve unparks it first, as a rule)
+                    self._unpark()
         return fut.result()
 
     def _enqueued(self) -> None:
@@ -363,7 +372,8 @@ class Work:
         if self._fut.done():
             return
         # Unpark first: a rank whose wait is satisfied is runnable from now on.
-        self._unpark()
+        if self._parked_on is not None:
+            self._unpark()
         if exc is None:
             self._fut.set_result(result)
         else:
@@ -654,7 +664,7 @@ class World:
     def post(self, work: Work) -> Work:
         """Enter ``work`` into the engine: a collective, a send or a recv. Loop thread only."""
         call = work._call
-        if not isinstance(call, Send | Recv):
+        if not isinstance(call, _P2P):
             self._join(work)
             return work
         # p2p: no sequence number; its own stamp, as both sides may finish at other times

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,43 @@ def _reduction(value: int, factor: float | torch.Tensor | None = None) -> Reduct
 
 
 _DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
+# (id of a plain RedOpType member, dtype) -> its checked Reduction: the per-call fast path
+_CHECKED: dict[tuple[int, torch.dtype], Reduction] = {}
+
+
+def checked_reduction(op: object, dtype: torch.dtype, arg: str = "op") -> Reduction:
+    """``Reduction.of(op)``, checked for ``dtype``; raises InvalidArgumentError naming ``arg``."""
+    r = _CHECKED.get((id(op), dtype))
+    if r is not None:
+        return r
+    r = Reduction.of(op)
+    r.check_dtype(dtype, arg)
+    if id(op) in _PLAIN:  # a canonical member lives as long as torch: its id is a safe key
+        _CHECKED[(id(op), dtype)] = r
+    return r
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _no_grad(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``torch.no_grad()`` for an op's ``run``, at a fifth of its cost (about 0.2 against 1.3 us a call).
+
+    Grad mode is per thread, and ops run on the loop's thread or a worker's: set and
+    restore it around the call in whichever thread runs it.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(prev)
+
+    return run
 
 
 def _scalar(x: float | torch.Tensor) -> float | complex | bool | int:
@@ -198,7 +235,7 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
             for t in tensors[2:]:
                 acc.add_(t)
             return acc
-        return torch.stack(list(tensors)).sum(0, dtype=dtype)
+        return torch.stack(list(tensors)).sum(0, dtype=dtype)  # dtype=: integers would widen to int64
     if kind in _BITWISE:
         fn = {
             _R.BAND: torch.bitwise_and,
@@ -226,6 +263,11 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Seq
         scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype, device=stacked.device)
         return (stacked * scale.view(-1, *([1] * (stacked.dim() - 1)))).sum(0, dtype=dtype)
     raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
+
+
+def _factors(calls: Sequence[Any]) -> list[Any]:
+    """Each rank's PREMUL_SUM factor, in rank order (empty for every other reduce op)."""
+    return [c.op.factor for c in calls] if calls[0].op.kind is _R.PREMUL_SUM else []
 
 
 def _chains(ts: Sequence[torch.Tensor]) -> bool:
@@ -319,7 +361,7 @@ class AllReduce(_Base):
         return self.tensor.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[AllReduce]) -> list[None]:
         red = calls[0].op
         ts = [c.tensor for c in calls]
@@ -331,7 +373,7 @@ class AllReduce(_Base):
                 acc.add_(t)
             copy_to_all(ts[1:], acc)
             return [None] * len(calls)
-        res = reduce_tensors(ts, red, [c.op.factor for c in calls])
+        res = reduce_tensors(ts, red, _factors(calls))
         copy_to_all(ts, res)
         return [None] * len(calls)
 
@@ -354,10 +396,10 @@ class Reduce(_Base):
         return self.tensor.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[Reduce]) -> list[None]:
         dst = calls[0].dst
-        res = reduce_tensors([c.tensor for c in calls], calls[0].op, [c.op.factor for c in calls])
+        res = reduce_tensors([c.tensor for c in calls], calls[0].op, _factors(calls))
         calls[dst].tensor.copy_(res)
         return [None] * len(calls)
 
@@ -379,7 +421,7 @@ class Broadcast(_Base):
         return self.tensor.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[Broadcast]) -> list[None]:
         root = calls[0].src
         copy_to_all([c.tensor for i, c in enumerate(calls) if i != root], calls[root].tensor.clone())
@@ -416,7 +458,7 @@ class AllGather(_Base):
         return None
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[AllGather]) -> list[None]:
         inputs = [c.input.clone() for c in calls]
         for c in calls:
@@ -442,7 +484,7 @@ class AllGatherIntoTensor(_Base):
         return self.output.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[AllGatherIntoTensor]) -> list[None]:
         # Concatenation along dim 0 and stacking are the same bytes in row-major order,
         # so rank r's input fills the r-th of len(calls) equal chunks of an output.
@@ -483,7 +525,7 @@ class Gather(_Base):
         return self.input.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[Gather]) -> list[None]:
         outs = calls[calls[0].dst].outputs
         assert outs is not None  # validated on the calling rank
@@ -511,7 +553,7 @@ class Scatter(_Base):
         return self.output.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[Scatter]) -> list[None]:
         ins = calls[calls[0].src].inputs
         assert ins is not None  # validated on the calling rank
@@ -539,10 +581,10 @@ class ReduceScatter(_Base):
         return self.output.nbytes * len(self.inputs)
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[ReduceScatter]) -> list[None]:
         red = calls[0].op
-        factors = [c.op.factor for c in calls]
+        factors = _factors(calls)
         results = [reduce_tensors([c.inputs[r] for c in calls], red, factors) for r in range(len(calls))]
         for c, res in zip(calls, results, strict=True):
             c.output.copy_(res)
@@ -567,11 +609,11 @@ class ReduceScatterTensor(_Base):
         return self.input.nbytes
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[ReduceScatterTensor]) -> list[None]:
         w = len(calls)
         parts = [c.input.reshape(w, -1) for c in calls]
-        res = reduce_tensors(parts, calls[0].op, [c.op.factor for c in calls])
+        res = reduce_tensors(parts, calls[0].op, _factors(calls))
         for r, c in enumerate(calls):
             c.output.copy_(res[r].view(c.output.shape))
         return [None] * w
@@ -606,7 +648,7 @@ class AllToAll(_Base):
         return None
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[AllToAll]) -> list[None]:
         sent = [[x.clone() for x in c.inputs] for c in calls]
         for r, c in enumerate(calls):
@@ -649,7 +691,7 @@ class AllToAllSingle(_Base):
         return None
 
     @staticmethod
-    @torch.no_grad()
+    @_no_grad
     def run(calls: Sequence[AllToAllSingle]) -> list[None]:
         sent = [list(torch.split(c.input.clone(), c.input_splits)) for c in calls]
         for r, c in enumerate(calls):
@@ -874,7 +916,7 @@ def check_transfer(send: Send, recv: Recv) -> str | None:
     return None
 
 
-@torch.no_grad()
+@_no_grad
 def transfer(send: Send, recv: Recv) -> None:
     """Move a matched send's data into its recv."""
     recv.tensor.copy_(send.tensor)
