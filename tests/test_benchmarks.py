@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,59 @@ def test_bench_process_group_quick() -> None:
     assert float(blocking[0][2]) > 0
     assert float(bridged[0][4]) > 0
     assert bridged[0][-1].endswith("x")
+
+
+BENCH_CEILINGS = BENCH_ALLREDUCE.parent / "bench_ceilings.py"
+CEILING_SYSTEMS = [
+    "threaded PG",
+    "bare asyncio",
+    "bare threads",
+    "W*dist overhead",
+    "floor",
+    "aiocoll async",
+    "aiocoll sync",
+]
+CEILING_RATIOS = [
+    "PG/bare-async",
+    "PG/bare-threads",
+    "PG/aiocoll-async",
+    "PG/aiocoll-sync",
+    "PG/W*dist",
+    "bare-async/floor",
+    "aiocoll-async/floor",
+]
+
+
+def test_bench_ceilings_quick(tmp_path: Path) -> None:
+    """``--quick`` measures every system at W=4 and prints one table row, the targets' lines and the JSON."""
+    out = tmp_path / "ceilings.json"
+    cmd = [sys.executable, str(BENCH_CEILINGS), "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    # columns are two or more spaces apart; cells such as "8.4 us" hold single spaces
+    table = [re.split(r"\s{2,}", line.strip()) for line in lines if re.match(r"\s*(W|\d+)\s{2,}", line)]
+    assert len(table) == 2, proc.stdout  # the header and the one row of --quick (W=4)
+    header, row = table
+    assert header == ["W", *CEILING_SYSTEMS, *CEILING_RATIOS], proc.stdout
+    assert row[0] == "4"
+    for cell in row[1 : 1 + len(CEILING_SYSTEMS)]:  # every system ran: a time, not "n/a" or "capped"
+        assert re.fullmatch(r"\d[\d.]* (us|ms|s)", cell), row
+        assert float(cell.split()[0]) > 0, row
+    for cell in row[1 + len(CEILING_SYSTEMS) :]:
+        assert re.fullmatch(r"\d[\d.]*x", cell), row
+    # the targets' lines state what the bare designs reach (facts, not PASS/FAIL)
+    assert re.search(r"^  bare asyncio: [\d.]+x PG at W=4; target 25x", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^  bare threads: [\d.]+x PG at W=4; target 2x", proc.stdout, re.MULTILINE), proc.stdout
+    assert "bare asyncio loop: " in proc.stdout
+    assert "W=4 repeat 2/2 bare threads: " in proc.stderr  # progress goes to stderr
+
+    data = json.loads(out.read_text())
+    assert data["plan"]["worlds"] == [4]
+    (cell,) = data["cells"]
+    assert set(cell["systems"]) == set(CEILING_SYSTEMS)
+    for name, system in cell["systems"].items():
+        assert system["status"] == "ok", (name, system)
+        assert len(system["samples"]) == 2, name
+        assert system["median"] > 0, name
+    assert set(cell["systems"]["floor"]["variants"]) == {"stack_sum", "chained_add", "stack_sum_foreach"}
