@@ -504,6 +504,12 @@ def register() -> None:
 # -- per-rank init and teardown (used by spawn) ------------------------------------------
 
 
+@functools.lru_cache(maxsize=8)
+def _identity_map(size: int) -> dict[int, int]:
+    """``{r: r for r < size}``, one per size: the rank map every rank's default group shares (read-only)."""
+    return {r: r for r in range(size)}
+
+
 class RankSession:
     """torch.distributed initialised for one rank: its own state, the default group = world."""
 
@@ -522,6 +528,12 @@ class RankSession:
             store=self.store,
             timeout=timedelta(seconds=self.st.world.timeout or 1800.0),
         )
+        # init_process_group builds the world's {global rank: group rank} map per rank: W
+        # entries for each of W ranks, 60 MB at W=1024. torch only reads (or deletes) it,
+        # so every rank can share one.
+        pg = self.state.default_pg
+        if pg is not None and pg in self.state.pg_group_ranks:
+            self.state.pg_group_ranks[pg] = _identity_map(self.st.world.size)
 
     def finish(self) -> None:
         """Drop this rank's groups; idempotent, callable from any thread."""

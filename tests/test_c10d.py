@@ -96,6 +96,19 @@ def test_sync_ranks_collectives() -> None:
         assert out["broadcast_object_list"] == "from 1"
 
 
+def test_ranks_share_one_world_rank_map() -> None:
+    # one {global: group} map for all ranks instead of one each (W^2 entries, 60 MB at W=1024)
+    def fn(comm: Comm) -> tuple[int, list[int], int]:
+        m = c10d._world.pg_group_ranks[c10d.GroupMember.WORLD]
+        assert m == {r: r for r in range(comm.world_size)}
+        return id(m), dist.get_process_group_ranks(dist.group.WORLD), dist.get_global_rank(dist.group.WORLD, comm.rank)
+
+    for out in (aiocoll.spawn(fn, world=4), aiocoll.spawn(lambda comm: fn(comm), world=4)):
+        assert len({i for i, _, _ in out}) == 1
+        assert [ranks for _, ranks, _ in out] == [[0, 1, 2, 3]] * 4
+        assert [g for _, _, g in out] == [0, 1, 2, 3]
+
+
 def test_p2p_through_torch() -> None:
     def fn(comm: Comm) -> tuple[float, int, float]:
         r, w = dist.get_rank(), dist.get_world_size()
