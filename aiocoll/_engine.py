@@ -129,7 +129,8 @@ class _Latch:
         """Whether it is set, after waiting up to ``timeout`` seconds (None: until it is)."""
         if self._set:
             return True
-        if not self._lock.acquire(True, -1 if timeout is None else timeout):
+        # (a negative timeout is an immediate check, as for threading.Event; lock.acquire rejects it)
+        if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
             return False
         self._lock.release()  # let any other waiter through: once set, it stays set
         return True

@@ -163,3 +163,27 @@ def test_deadlock_after_an_off_loop_op_is_still_reported(loop: str) -> None:
 
     with pytest.raises(aiocoll.DeadlockError):
         aiocoll.spawn(worker, world=2, loop=loop, timeout=30)
+
+
+def test_latch_for_thread_waits() -> None:
+    # the one-lock latch rank threads wait on: Event's semantics, every waiter released by one set()
+    import threading
+
+    from aiocoll._engine import _Latch
+
+    latch = _Latch()
+    assert not latch.wait(0)
+    assert not latch.wait(-1)
+    assert not latch.is_set()
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(latch.wait(30))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    latch.set()
+    latch.set()  # idempotent
+    for t in waiters:
+        t.join(30)
+    assert woke == [True, True, True]
+    assert latch.is_set()
+    assert latch.wait()
+    assert latch.wait(-1)
