@@ -92,6 +92,33 @@ def timed_dist_all_gather(rank: int, world: int, warmup: int, iters: int, numel:
     return timed_loop(lambda: dist.all_gather_into_tensor(out, inp), warmup, iters)
 
 
+def start_and_join(
+    threads: list[threading.Thread],
+    world: int,
+    worker: Callable[[int], None],
+    name: str,
+    abort: Callable[[], None],
+    timeout: float,
+) -> None:
+    """Start a daemon thread ``worker(rank)`` per rank (into ``threads``), then join them all within ``timeout`` s.
+
+    If a thread cannot be started, ``abort()`` releases those already waiting for their peers, and this raises
+    ``Unavailable``. Threads still alive after the timeout are left to the caller (they die with the process).
+    """
+    try:
+        for rank in range(world):
+            th = threading.Thread(target=worker, args=(rank,), name=f"{name} {rank}", daemon=True)
+            th.start()
+            threads.append(th)
+    except RuntimeError as e:  # "can't start new thread"
+        abort()
+        raise Unavailable(f"could only start {len(threads)} of {world} threads ({e})") from e
+    finally:
+        deadline = time.monotonic() + timeout
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+
+
 def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG_JOIN_TIMEOUT) -> list[T]:
     """Run ``rank_fn(rank)`` on every rank of a fresh threaded-PG world; return the results in rank order.
 
@@ -137,18 +164,7 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     _install_threaded_pg()  # type: ignore[no-untyped-call]
     try:
-        try:
-            for rank in range(world):
-                th = threading.Thread(target=worker, args=(rank,), name=f"threaded-pg rank {rank}", daemon=True)
-                th.start()
-                threads.append(th)
-        except RuntimeError as e:  # "can't start new thread"
-            started.abort()
-            raise Unavailable(f"could only start {len(threads)} of {world} threads ({e})") from e
-        finally:
-            deadline = time.monotonic() + timeout
-            for th in threads:
-                th.join(max(0.0, deadline - time.monotonic()))
+        start_and_join(threads, world, worker, "threaded-pg rank", started.abort, timeout)
         stuck = sum(th.is_alive() for th in threads)
         if stuck:
             ProcessLocalGroup.exception_handle(TimeoutError())  # type: ignore[no-untyped-call]

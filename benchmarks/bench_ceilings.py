@@ -67,6 +67,7 @@ from _harness import (
     Unavailable,
     positive_int,
     run_threaded_pg,
+    start_and_join,
     timed_comm_all_reduce,
     timed_dist_all_reduce,
     timed_loop,
@@ -257,18 +258,7 @@ def bare_threads_op(world: int, iters: int) -> float:
         elapsed[rank] = time.perf_counter() - start
 
     threads: list[threading.Thread] = []
-    try:
-        for rank in range(world):
-            th = threading.Thread(target=worker, args=(rank,), name=f"bare rank {rank}", daemon=True)
-            th.start()
-            threads.append(th)
-    except RuntimeError as e:  # "can't start new thread"
-        checked.abort()
-        raise Unavailable(f"could only start {len(threads)} of {world} threads ({e})") from e
-    finally:
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
+    start_and_join(threads, world, worker, "bare rank", checked.abort, JOIN_TIMEOUT)
     if errors:
         rank, exc = errors[0]
         raise Unavailable(f"failed on rank {rank} of {world}: {type(exc).__name__}: {exc}")
