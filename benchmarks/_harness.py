@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
@@ -90,6 +90,20 @@ def timed_dist_all_gather(rank: int, world: int, warmup: int, iters: int, numel:
     if out[numel * (world - 1)].item() != world - 1 or out[0].item() != 0:
         raise AssertionError(f"rank {rank}: all_gather_into_tensor gave wrong data")
     return timed_loop(lambda: dist.all_gather_into_tensor(out, inp), warmup, iters)
+
+
+def print_report(header: Sequence[str], sections: Sequence[tuple[str | None, Sequence[str]]]) -> None:
+    """Print ``header``, then each section that has lines: a blank line, its title (if any), its lines."""
+    for line in header:
+        print(line)
+    for title, lines in sections:
+        if not lines:
+            continue
+        print()
+        if title is not None:
+            print(title)
+        for line in lines:
+            print(line)
 
 
 def start_and_join(

@@ -66,6 +66,7 @@ from _harness import (
     C10D_GLOBALS,
     Unavailable,
     positive_int,
+    print_report,
     run_threaded_pg,
     start_and_join,
     timed_comm_all_reduce,
@@ -676,35 +677,27 @@ def to_json(results: Results, plan: Plan, wall: float, argv: Sequence[str]) -> d
 
 def report(results: Results, plan: Plan) -> None:
     m = machine_info()
-    print("aiocoll design ceilings: 1-element float32 all_reduce, medians over repeats, systems alternating")
-    print(
+    header = [
+        "aiocoll design ceilings: 1-element float32 all_reduce, medians over repeats, systems alternating",
         f"python {m['python']}, torch {m['torch']} ({m['torch_threads']} intra-op threads), aiocoll {m['aiocoll']}, "
-        f"{m['cpu_count']} CPUs, {m['platform']}"
+        f"{m['cpu_count']} CPUs, {m['platform']}",
+        f"bare asyncio loop: {plan.loop_name}; aiocoll systems: {aiocoll_config()}",
+        f"aiocoll measured: {source_line(source_info())}",
+        "times are per operation; ratio columns divide medians (PG/x > 1: x is faster than the threaded PG)",
+    ]
+    print_report(
+        header,
+        [
+            (None, table_lines(results)),
+            ("The suite's targets for aiocoll, next to the ceilings measured in this run:", target_lines(results)),
+            (
+                "torch work alone (the floor's variants; stack_sum_foreach is the bare systems' own op):",
+                torch_op_lines(results),
+            ),
+            ("Not measured:", note_lines(results)),
+            ("Iterations per sample x samples:", iters_lines(results)),
+        ],
     )
-    print(f"bare asyncio loop: {plan.loop_name}; aiocoll systems: {aiocoll_config()}")
-    print(f"aiocoll measured: {source_line(source_info())}")
-    print("times are per operation; ratio columns divide medians (PG/x > 1: x is faster than the threaded PG)")
-    print()
-    for line in table_lines(results):
-        print(line)
-    print()
-    print("The suite's targets for aiocoll, next to the ceilings measured in this run:")
-    for line in target_lines(results):
-        print(line)
-    print()
-    print("torch work alone (the floor's variants; stack_sum_foreach is the bare systems' own op):")
-    for line in torch_op_lines(results):
-        print(line)
-    notes = note_lines(results)
-    if notes:
-        print()
-        print("Not measured:")
-        for line in notes:
-            print(line)
-    print()
-    print("Iterations per sample x samples:")
-    for line in iters_lines(results):
-        print(line)
 
 
 # -- command line ----------------------------------------------------------------------------------------

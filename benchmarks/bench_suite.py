@@ -74,6 +74,7 @@ import torch.distributed as dist
 from _harness import (
     Unavailable,
     positive_int,
+    print_report,
     run_threaded_pg,
     timed_comm_all_reduce,
     timed_dist_all_gather,
@@ -778,25 +779,15 @@ def results_from_json(data: dict[str, Any]) -> Results:
 
 
 def report(results: Results, header: list[str]) -> None:
-    for line in header:
-        print(line)
-    print()
-    for line in table_lines(results):
-        print(line)
-    print()
-    print("Targets (ratios of medians measured in this run):")
-    for line in target_lines(results):
-        print(line)
-    notes = note_lines(results)
-    if notes:
-        print()
-        print("Not measured:")
-        for line in notes:
-            print(line)
-    print()
-    print("Iterations per sample x samples:")
-    for line in iters_lines(results):
-        print(line)
+    print_report(
+        header,
+        [
+            (None, table_lines(results)),
+            ("Targets (ratios of medians measured in this run):", target_lines(results)),
+            ("Not measured:", note_lines(results)),
+            ("Iterations per sample x samples:", iters_lines(results)),
+        ],
+    )
 
 
 # -- the plot --------------------------------------------------------------------------------------------
