@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable, Sequence
 from typing import Any, NoReturn
 
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 from . import _cuda
 from . import _ops as ops
-from ._engine import Group, Site, Work, World, current_rank_state
+from ._engine import Group, Site, Work, World, call_site, current_rank_state
 from ._errors import AiocollError, InvalidArgumentError
 
 __all__ = ["Comm", "rank_generator"]
@@ -131,9 +130,11 @@ class Comm:
 
     def _reduction(self, op: str, red: object, dtype: torch.dtype) -> ops.Reduction:
         try:
-            return ops.checked_reduction(red, dtype)
+            r = ops.Reduction.of(red)
+            r.check_dtype(dtype, "op")
         except InvalidArgumentError as e:
             self._bad(op, str(e))
+        return r
 
     def _any_source_ok(self) -> bool:
         # a group of a hybrid world that spans processes matches p2p per pair of ranks
@@ -142,17 +143,14 @@ class Comm:
         return group is None or group.bridge is None
 
     def _site(self) -> Site:
-        # frames: _site <- _join <- the Comm method <- the user (call_site, inlined: it
-        # runs on every call)
-        f = sys._getframe(3)
-        return (f.f_code.co_filename, f.f_lineno)
+        # frames: call_site <- _site <- _join <- the Comm method <- the user
+        return call_site(3)
 
     def _join(self, call: Any) -> Work:
         work = Work(self._group, self.rank, call, self._site(), self._threaded)
         # CUDA inputs are ready where the caller's current stream is now: mark it here, in
         # the caller's thread (current streams are per thread)
-        if _cuda.active():
-            work._cuda = _cuda.issue(call)
+        work._cuda = _cuda.issue(call)
         faults = self._world.faults
         if faults is not None:
             hit = faults.check(work)

@@ -102,11 +102,6 @@ class _Torch:
 _hw: Any = _Torch()
 
 
-def active() -> bool:
-    """Whether any tensor could be on CUDA (CUDA is initialised); callers skip CUDA work if not."""
-    return bool(_hw.active())
-
-
 # -- issue ------------------------------------------------------------------------------
 
 
@@ -128,7 +123,7 @@ def issue(call: Any) -> Issue | None:
     Returns None for a call without CUDA tensors (current streams are per thread, so this
     must run in the thread that issues the call).
     """
-    if not active():
+    if not _hw.active():
         return None
     devices: list[torch.device] = []
     for t in tensors_of(call):

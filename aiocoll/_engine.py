@@ -369,13 +369,7 @@ class Work:
         if not fut.done():
             st = _rank_var.get()
             if st is not None and st.world is self._rank.world:
-                if self._parked_on is None and not st.world._held:
-                    # World.park's common case, inlined: this runs for every rank and op
-                    self._parked_on = st
-                    st.waiting.append(self)
-                    st.parked_one()
-                else:
-                    st.world.park(self, st)
+                st.world.park(self, st)
             try:
                 yield from fut
             except asyncio.CancelledError:
@@ -385,8 +379,7 @@ class Work:
                     self._rank.world._cancelled(self)
                 raise
             finally:
-                if self._parked_on is not None:  # (_resolve unparks it first, as a rule)
-                    self._unpark()
+                self._unpark()
         return fut.result()
 
     def _enqueued(self) -> None:
@@ -407,8 +400,7 @@ class Work:
         if self._fut.done():
             return
         # Unpark first: a rank whose wait is satisfied is runnable from now on.
-        if self._parked_on is not None:
-            self._unpark()
+        self._unpark()
         if exc is None:
             self._fut.set_result(result)
         else:

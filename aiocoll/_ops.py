@@ -168,20 +168,6 @@ def _reduction(value: int, factor: float | torch.Tensor | None = None) -> Reduct
 
 
 _DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
-# (id of a plain RedOpType member, dtype) -> its checked Reduction: the per-call fast path
-_CHECKED: dict[tuple[int, torch.dtype], Reduction] = {}
-
-
-def checked_reduction(op: object, dtype: torch.dtype, arg: str = "op") -> Reduction:
-    """``Reduction.of(op)``, checked for ``dtype``; raises InvalidArgumentError naming ``arg``."""
-    r = _CHECKED.get((id(op), dtype))
-    if r is not None:
-        return r
-    r = Reduction.of(op)
-    r.check_dtype(dtype, arg)
-    if id(op) in _PLAIN:  # a canonical member lives as long as torch: its id is a safe key
-        _CHECKED[(id(op), dtype)] = r
-    return r
 
 
 _P = ParamSpec("_P")
