@@ -25,6 +25,7 @@ from ._errors import (
     CollectiveTimeoutError,
     DeadlockError,
     InvalidArgumentError,
+    TorchCompatError,
     WorldAbortedError,
 )
 from ._faults import Fault, InjectedFault, OpInfo
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidArgumentError",
     "OpInfo",
     "SeedFailure",
+    "TorchCompatError",
     "Work",
     "WorldAbortedError",
     "__version__",

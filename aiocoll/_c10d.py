@@ -14,20 +14,19 @@ own state, untouched.
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-from torch._C import _distributed_c10d as _C
 
+from . import _torch
 from ._comm import Comm
 from ._engine import RankState, Site, Work, current_rank_state
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
@@ -37,133 +36,44 @@ __all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "regi
 BACKEND = "aiocoll"
 
 
-# -- per-rank torch.distributed state ------------------------------------------------
-
-
-class _RankWorld(c10d._World):
-    """torch's ``_World`` with its state held per instance (torch's keeps it in globals)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._pg_map_: dict[Any, Any] = {}
-        self._pg_names_: dict[Any, Any] = {}
-        self._pg_group_ranks_: dict[Any, Any] = {}
-        self._pg_backend_config_: dict[Any, Any] = {}
-        self._group_count_ = 0
-        self._tags_to_pg_: dict[Any, Any] = {}
-        self._pg_to_tag_: dict[Any, Any] = {}
-
-    @property
-    def pg_map(self) -> dict[Any, Any]:
-        return self._pg_map_
-
-    @property
-    def pg_names(self) -> dict[Any, Any]:
-        return self._pg_names_
-
-    @property
-    def pg_group_ranks(self) -> dict[Any, Any]:
-        return self._pg_group_ranks_
-
-    @property
-    def pg_backend_config(self) -> dict[Any, Any]:
-        return self._pg_backend_config_
-
-    @property
-    def group_count(self) -> int:
-        return self._group_count_
-
-    @group_count.setter
-    def group_count(self, value: int) -> None:
-        self._group_count_ = value
-
-    @property
-    def tags_to_pg(self) -> dict[Any, Any]:
-        return self._tags_to_pg_
-
-    @property
-    def pg_to_tag(self) -> dict[Any, Any]:
-        return self._pg_to_tag_
-
-
-_state_var: contextvars.ContextVar[_RankWorld | None] = contextvars.ContextVar("aiocoll_c10d_world", default=None)
-
-
-class _WorldProxy:
-    """Stands in for ``distributed_c10d._world``: the current rank's state, else torch's."""
-
-    __slots__ = ("_fallback",)
-
-    def __init__(self, fallback: Any) -> None:
-        object.__setattr__(self, "_fallback", fallback)
-
-    def _target(self) -> Any:
-        st = _state_var.get()
-        return self._fallback if st is None else st
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target(), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._target(), name, value)
-
+# -- per-rank torch.distributed state (the mechanism lives in _torch) ------------------
 
 _install_lock = threading.Lock()
 _installed = 0
-_saved: dict[str, Any] = {}
+_patch: contextlib.ExitStack | None = None
 
 
 def install() -> None:
-    """Swap in per-rank c10d state and the patches below; counted, undone by uninstall()."""
-    global _installed
+    """Swap in per-rank c10d state and its patches; counted, undone by uninstall()."""
+    global _installed, _patch
     with _install_lock:
+        if _installed == 0:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_torch.patched_c10d(_name_suffix, _mesh_identity))
+            _patch = stack
         _installed += 1
-        if _installed > 1:
-            return
-        _saved["world"] = c10d._world
-        # init_process_group wraps sys.excepthook to prefix tracebacks with the rank,
-        # once per rank: put the original back when the last world ends
-        _saved["excepthook"] = sys.excepthook
-        c10d._world = _WorldProxy(c10d._world)  # type: ignore[assignment]
-        # The C++ registry of groups by name (used by functional collectives) must be
-        # per thread for ranks in threads; async ranks share the loop thread and get
-        # rank-unique names instead (see _process_group_name below).
-        _C._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
-        _saved["pg_name"] = c10d._process_group_name
-        c10d._process_group_name = _process_group_name
-        from torch.distributed import device_mesh
-
-        mesh_cls = device_mesh.DeviceMesh
-        _saved["mesh_init"] = mesh_cls.__init__
-        mesh_cls.__init__ = _mesh_init(mesh_cls.__init__)  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
-    global _installed
+    global _installed, _patch
     with _install_lock:
         _installed -= 1
-        if _installed:
-            return
-        c10d._world = _saved.pop("world")
-        sys.excepthook = _saved.pop("excepthook")
-        _C._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
-        c10d._process_group_name = _saved.pop("pg_name")
-        from torch.distributed import device_mesh
-
-        device_mesh.DeviceMesh.__init__ = _saved.pop("mesh_init")  # type: ignore[method-assign]
+        if _installed == 0 and _patch is not None:
+            stack = _patch
+            _patch = None
+            stack.close()
 
 
 _SUFFIX = "~aiocoll"
 
 
-def _process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
-    name = _saved["pg_name"](ranks, use_hashed_name)
+def _name_suffix() -> str | None:
     st = current_rank_state()
     if st is not None and st.world.on_loop_thread():
         # async ranks share one thread and so one C++ registry: make names unique per
         # rank and per world (worlds may nest or run side by side on one loop)
-        return type(name)(f"{name}{_SUFFIX}{st.world.id}.{st.rank}")
-    return name
+        return f"{_SUFFIX}{st.world.id}.{st.rank}"
+    return None
 
 
 def _base_name(name: str) -> str:
@@ -171,18 +81,10 @@ def _base_name(name: str) -> str:
     return name.split(_SUFFIX, 1)[0]
 
 
-def _mesh_init(init: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        st = current_rank_state()
-        if st is not None:
-            # DeviceMesh tells meshes of different ranks apart only for torch's
-            # "threaded" backend (by thread id); without it, DTensor's caches would hand
-            # one rank's mesh to another. Give each rank its own identity.
-            self._thread_id = id(st)
-
-    return wrapper
+def _mesh_identity() -> int | None:
+    # without a per-rank identity, DTensor's caches would hand one rank's mesh to another
+    st = current_rank_state()
+    return None if st is None else id(st)
 
 
 # -- Work ------------------------------------------------------------------------------
@@ -280,11 +182,14 @@ def _one(op: str, tensors: Sequence[Any]) -> Any:
     return tensors[0]
 
 
+@_torch.python_process_group
 class AiocollProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on the aiocoll engine."""
 
     def __init__(self, comm: Comm, name: str) -> None:
-        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
+        # the (rank, size) constructor; the stubs of some releases know only the one taking a store
+        args: Any = (comm.rank, comm.world_size)
+        super().__init__(*args)
         self._comm = comm
         self._name = name
         self._on_loop = not comm._threaded
@@ -515,12 +420,12 @@ class RankSession:
 
     def __init__(self, st: RankState, store: Any) -> None:
         self.st = st
-        self.state = _RankWorld()
+        self.state = _torch.C10dState()
         self.store = store
 
     def start(self) -> None:
         """Run in the rank's own context (its thread or task)."""
-        _state_var.set(self.state)
+        _torch.use_state(self.state)
         dist.init_process_group(
             BACKEND,
             rank=self.st.rank,
@@ -540,15 +445,5 @@ class RankSession:
         state = self.state
         for pg, name in list(state.pg_names.items()):
             if isinstance(pg, AiocollProcessGroup):
-                _C._unregister_process_group(name)
-        for d in (
-            state.pg_map,
-            state.pg_names,
-            state.pg_group_ranks,
-            state.pg_backend_config,
-            state.tags_to_pg,
-            state.pg_to_tag,
-            state.pg_coalesce_state,
-        ):
-            d.clear()
-        state.default_pg = None
+                _torch.unregister_group(name)
+        state.clear()

@@ -377,8 +377,8 @@ class Comm:
         self,
         output: torch.Tensor,
         input: torch.Tensor,
-        output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | torch.Tensor | None = None,
+        input_split_sizes: Sequence[int] | torch.Tensor | None = None,
     ) -> Work:
         """Split ``input`` along dim 0, send chunk j to rank j, concatenate what arrives in ``output``.
 
@@ -410,10 +410,23 @@ class Comm:
         in_splits = self._splits(name, "input_split_sizes", input_split_sizes, x.shape[0])
         return self._join(ops.AllToAllSingle(out, x, out_splits, in_splits))
 
-    def _splits(self, op: str, arg: str, splits: Sequence[int] | None, rows: int) -> list[int]:
+    def _splits(self, op: str, arg: str, splits: Sequence[int] | torch.Tensor | None, rows: int) -> list[int]:
+        """The split sizes as ints; what torch takes: a list, tuple or Size of ints, or a 1-D integer tensor."""
         w = self.world_size
-        if splits is not None and not isinstance(splits, (list, tuple, torch.Size)):
-            self._bad(op, f"argument {arg!r}: expected a list of {self.world_size} ints, got {type(splits).__name__}")
+        expected = f"expected a list of {w} ints or a 1-D integer tensor"
+        if isinstance(splits, torch.Tensor):
+            if (
+                splits.dim() != 1
+                or splits.dtype.is_floating_point
+                or splits.dtype.is_complex
+                or splits.dtype == torch.bool
+            ):
+                self._bad(
+                    op, f"argument {arg!r}: {expected}, got a {splits.dtype} tensor of shape {list(splits.shape)}"
+                )
+            splits = [int(s) for s in splits.tolist()]
+        elif splits is not None and not isinstance(splits, (list, tuple, torch.Size)):
+            self._bad(op, f"argument {arg!r}: {expected}, got {type(splits).__name__}")
         if splits is None or len(splits) == 0:
             if rows % w:
                 self._bad(op, f"dim 0 ({rows}) is not divisible by the group size ({w}); pass {arg}")

@@ -9,6 +9,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DeadlockError",
     "InvalidArgumentError",
+    "TorchCompatError",
     "WorldAbortedError",
 ]
 
@@ -156,4 +157,12 @@ class BlockingCallError(AiocollError, RuntimeError):
     ...     return t.item()
     >>> aiocoll.spawn(worker, world=2)
     [2.0, 2.0]
+    """
+
+
+class TorchCompatError(AiocollError, RuntimeError):
+    """The installed torch lacks something aiocoll relies on (outside the tested range).
+
+    The message names the assumption and the torch releases aiocoll is tested on; it
+    is raised before any rank runs, never as a crash or a wrong result later.
     """

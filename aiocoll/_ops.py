@@ -29,6 +29,7 @@ from typing import Any, ClassVar, ParamSpec, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import _torch
 from ._errors import InvalidArgumentError
 
 __all__ = [
@@ -109,7 +110,7 @@ class Reduction:
             # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both.
             kind = getattr(op, "op")  # noqa: B009
             if kind == _R.PREMUL_SUM:
-                return _reduction(kind.value, getattr(op, "factor"))  # noqa: B009
+                return _reduction(kind.value, _torch.premul_factor(op))
             return _reduction(kind.value)
         raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
 
@@ -184,11 +185,11 @@ def _no_grad(fn: Callable[_P, _T]) -> Callable[_P, _T]:
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        _torch.set_grad_enabled(False)
         try:
             return fn(*args, **kwargs)
         finally:
-            torch._C._set_grad_enabled(prev)
+            _torch.set_grad_enabled(prev)
 
     return run
 
@@ -270,7 +271,7 @@ def _disjoint(ts: Sequence[torch.Tensor]) -> bool:
 def copy_to_all(outs: list[torch.Tensor], src: torch.Tensor) -> None:
     """``out.copy_(src)`` for every out, in one fused torch call (W small copies cost W calls)."""
     if outs:
-        torch._foreach_copy_(outs, [src] * len(outs))
+        _torch.foreach_copy_(outs, [src] * len(outs))
 
 
 def _shares_storage(ts: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
@@ -485,7 +486,7 @@ class AllGatherIntoTensor(_Base):
             # of its own output (the usual in-place form): it is read before that output
             # is overwritten. Only inputs inside rank 0's output need the staged path.
             chunks = first.view(len(calls), -1)
-            torch._foreach_copy_(list(chunks.unbind(0)), [x.reshape(-1) for x in inputs])
+            _torch.foreach_copy_(list(chunks.unbind(0)), [x.reshape(-1) for x in inputs])
             copy_to_all(outputs[1:], first)
         else:
             full = torch.stack(inputs).reshape(first.shape)

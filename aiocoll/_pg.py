@@ -35,10 +35,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _C10d
-from torch.distributed import distributed_c10d as c10d
 
 from . import _ops as ops
+from . import _torch
 from ._comm import Comm
 from ._engine import Work, call_site, fmt_site
 from ._errors import (
@@ -219,7 +218,7 @@ def _sizes(n: Sequence[int], device: torch.device) -> torch.Tensor:
 def _device_of(pg: dist.ProcessGroup) -> torch.device:
     """Where byte tensors go for ``pg``: the CPU if it has a CPU backend (gloo), else its accelerator."""
     try:
-        pg._get_backend(torch.device("cpu"))
+        _torch.backend_of(pg, torch.device("cpu"))
     except RuntimeError:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -230,14 +229,14 @@ async def _wait(work: dist.Work) -> None:
 
 
 def _allgather_opts(timeout: timedelta | None) -> Any:
-    o = _C10d.AllgatherOptions()
+    o = _torch.options.AllgatherOptions()
     if timeout is not None:
         o.timeout = timeout
     return o
 
 
 def _bcast_opts(root: int, timeout: timedelta | None) -> Any:
-    o = _C10d.BroadcastOptions()
+    o = _torch.options.BroadcastOptions()
     o.rootRank = root
     if timeout is not None:
         o.timeout = timeout
@@ -254,11 +253,11 @@ async def all_gather_bytes(pg: dist.ProcessGroup, payload: bytes, *, timeout: ti
     """
     w, dev = pg.size(), _device_of(pg)
     sizes = torch.empty(w, dtype=torch.int64, device=dev)
-    await _wait(pg._allgather_base(sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
     ns = sizes.tolist()
     most = max(ns)
     out = torch.empty(w * most, dtype=torch.uint8, device=dev)
-    await _wait(pg._allgather_base(out, _bytes_tensor(payload, most, dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, out, _bytes_tensor(payload, most, dev), _allgather_opts(timeout)))
     out = out.cpu()
     return [_tensor_bytes(out[i * most : i * most + n]) for i, n in enumerate(ns)]
 
@@ -289,11 +288,11 @@ async def gather_bytes(
     """
     w, dev = pg.size(), _device_of(pg)
     sizes = torch.empty(w, dtype=torch.int64, device=dev)
-    await _wait(pg._allgather_base(sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
     ns = sizes.tolist()
     most = max(ns)
     outs = [torch.empty(most, dtype=torch.uint8, device=dev) for _ in range(w)] if pg.rank() == dst else []
-    o = _C10d.GatherOptions()
+    o = _torch.options.GatherOptions()
     o.rootRank = dst
     if timeout is not None:
         o.timeout = timeout
@@ -318,7 +317,7 @@ async def scatter_bytes(
     most = max(ns)
     out = torch.empty(most, dtype=torch.uint8, device=dev)
     ins = [[_bytes_tensor(p, most, dev) for p in payloads]] if mine and payloads is not None else []
-    o = _C10d.ScatterOptions()
+    o = _torch.options.ScatterOptions()
     o.rootRank = src
     if timeout is not None:
         o.timeout = timeout
@@ -590,21 +589,21 @@ def _reduced(red: _Reduce) -> Callable[[], None]:
 
 def _plan_all_reduce(iss: Issuer, call: ops.AllReduce) -> _Start:
     red = iss._reduction("all_reduce", call.tensor, call.op, copy=False)
-    opts = iss._opt(_C10d.AllreduceOptions, reduceOp=red.op)
+    opts = iss._opt(_torch.options.AllreduceOptions, reduceOp=red.op)
     return lambda: (iss.pg.allreduce([red.buf], opts), _reduced(red))
 
 
 def _plan_reduce(iss: Issuer, call: ops.Reduce) -> _Start:
     # off the destination, gloo uses the tensor as scratch space; in-process leaves it alone
     red = iss._reduction("reduce", call.tensor, call.op, copy=iss.rank != call.dst)
-    opts = iss._opt(_C10d.ReduceOptions, reduceOp=red.op, rootRank=call.dst)
+    opts = iss._opt(_torch.options.ReduceOptions, reduceOp=red.op, rootRank=call.dst)
     post = _reduced(red) if iss.rank == call.dst else _Post()
     return lambda: (iss.pg.reduce([red.buf], opts), post)
 
 
 def _plan_broadcast(iss: Issuer, call: ops.Broadcast) -> _Start:
     buf, post = _staged(call.tensor, iss.rank != call.src)
-    opts = iss._opt(_C10d.BroadcastOptions, rootRank=call.src)
+    opts = iss._opt(_torch.options.BroadcastOptions, rootRank=call.src)
     return lambda: (iss.pg.broadcast([_bytes(buf)], opts), post)
 
 
@@ -635,15 +634,15 @@ def _plan_all_gather(iss: Issuer, call: ops.AllGather) -> _Start:
         for i, (o, n) in enumerate(zip(call.outputs, sizes, strict=True)):
             o.copy_(recv[i * most : i * most + n].view(o.dtype).view(o.shape))
 
-    opts = iss._opt(_C10d.AllgatherOptions)
-    return lambda: (iss.pg._allgather_base(recv, send, opts), post)
+    opts = iss._opt(_torch.options.AllgatherOptions)
+    return lambda: (_torch.allgather_into(iss.pg, recv, send, opts), post)
 
 
 def _plan_all_gather_into_tensor(iss: Issuer, call: ops.AllGatherIntoTensor) -> _Start:
     x = _contiguous(call.input, copy=_shares(call.input, [call.output]))
     out, post = _staged(call.output, True)
-    opts = iss._opt(_C10d.AllgatherOptions)
-    return lambda: (iss.pg._allgather_base(_bytes(out), _bytes(x), opts), post)
+    opts = iss._opt(_torch.options.AllgatherOptions)
+    return lambda: (_torch.allgather_into(iss.pg, _bytes(out), _bytes(x), opts), post)
 
 
 def _plan_gather(iss: Issuer, call: ops.Gather) -> _Start:
@@ -656,7 +655,7 @@ def _plan_gather(iss: Issuer, call: ops.Gather) -> _Start:
         if b is not o:
             post.copies.append((o, b))
         bufs.append(_bytes(b))
-    opts = iss._opt(_C10d.GatherOptions, rootRank=call.dst)
+    opts = iss._opt(_torch.options.GatherOptions, rootRank=call.dst)
     return lambda: (iss.pg.gather([bufs] if bufs else [], [_bytes(x)], opts), post)
 
 
@@ -664,7 +663,7 @@ def _plan_scatter(iss: Issuer, call: ops.Scatter) -> _Start:
     ins = call.inputs or []
     bufs = [_bytes(_contiguous(x, copy=_shares(x, [call.output]))) for x in ins]
     out, post = _staged(call.output, True)
-    opts = iss._opt(_C10d.ScatterOptions, rootRank=call.src)
+    opts = iss._opt(_torch.options.ScatterOptions, rootRank=call.src)
     return lambda: (iss.pg.scatter([_bytes(out)], [bufs] if bufs else [], opts), post)
 
 
@@ -683,13 +682,13 @@ def _reduce_scatter(iss: Issuer, name: str, output: torch.Tensor, x: torch.Tenso
     rin = iss._reduction(name, x, red, copy=False)
     rout = iss._reduction(name, output, red, copy=False)
     out = rout.buf.reshape(-1) if rout.buf.is_contiguous() else rout.buf.contiguous().reshape(-1)
-    opts = iss._opt(_C10d.ReduceScatterOptions, reduceOp=rin.op)
+    opts = iss._opt(_torch.options.ReduceScatterOptions, reduceOp=rin.op)
 
     def post() -> None:
         if rout.back is not None:
             rout.back(out.view(rout.buf.shape))
 
-    return lambda: (iss.pg._reduce_scatter_base(out, rin.buf.reshape(-1), opts), post)
+    return lambda: (_torch.reduce_scatter_into(iss.pg, out, rin.buf.reshape(-1), opts), post)
 
 
 def _plan_all_to_all(iss: Issuer, call: ops.AllToAll) -> _Start:
@@ -706,7 +705,7 @@ def _plan_all_to_all(iss: Issuer, call: ops.AllToAll) -> _Start:
             o.copy_(recv[off : off + n].view(o.dtype).view(o.shape))
             off += n
 
-    opts = iss._opt(_C10d.AllToAllOptions)
+    opts = iss._opt(_torch.options.AllToAllOptions)
     in_sizes = [t.numel() for t in ins]
     return lambda: (iss.pg.alltoall_base(recv, send, out_sizes, in_sizes, opts), post)
 
@@ -715,14 +714,14 @@ def _plan_all_to_all_single(iss: Issuer, call: ops.AllToAllSingle) -> _Start:
     x = _contiguous(call.input, copy=_shares(call.input, [call.output]))
     out, post = _staged(call.output, True)
     row = x[0].nbytes if x.shape[0] else (out[0].nbytes if out.shape[0] else 0)
-    opts = iss._opt(_C10d.AllToAllOptions)
+    opts = iss._opt(_torch.options.AllToAllOptions)
     outs = [n * row for n in call.output_splits]
     ins = [n * row for n in call.input_splits]
     return lambda: (iss.pg.alltoall_base(_bytes(out), _bytes(x), outs, ins, opts), post)
 
 
 def _plan_barrier(iss: Issuer, call: ops.Barrier) -> _Start:
-    opts = iss._opt(_C10d.BarrierOptions)
+    opts = iss._opt(_torch.options.BarrierOptions)
     return lambda: (iss.pg.barrier(opts), _Post())
 
 
@@ -1033,21 +1032,8 @@ def _create_group(parent: dist.ProcessGroup, ranks: list[int], name: str) -> dis
     unique to the parent and its count of groups made.
     """
     backend = dist.get_backend(parent)
-    timeout = c10d._get_default_timeout(dist.Backend(backend))
-    with contextlib.suppress(RuntimeError, AttributeError):  # the parent's, where it says
-        timeout = parent._get_backend(torch.device("cpu")).options._timeout
-    me = dist.get_rank()
-    pg, _ = c10d._new_process_group_helper(
-        len(ranks),
-        ranks.index(me),
-        ranks,
-        backend,
-        c10d._get_default_store(),
-        getattr(c10d, "GroupName", str)(name),  # type: ignore[arg-type]  # a str subclass in newer torch
-        timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
-    return pg  # type: ignore[no-any-return]
+    timeout = _torch.group_timeout(parent, backend)  # the parent's, where it says
+    return _torch.new_group_helper(ranks, dist.get_rank(), backend, name, timeout)
 
 
 def from_process_group(pg: dist.ProcessGroup | None = None, *, timeout: float | None = None) -> Comm:
@@ -1072,7 +1058,7 @@ def from_process_group(pg: dist.ProcessGroup | None = None, *, timeout: float | 
     if pg is None:
         if not dist.is_initialized():
             raise AiocollError("from_process_group(): call torch.distributed.init_process_group() first")
-        pg = c10d._get_default_group()
+        pg = _torch.default_group()
     if not isinstance(pg, dist.ProcessGroup):
         raise InvalidArgumentError(f"from_process_group(): expected a ProcessGroup, got {type(pg).__name__}")
     if pg.rank() < 0:

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import torch
 import torch.distributed as dist
 
-from . import _c10d
+from . import _c10d, _torch
 from ._comm import Comm
 from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
@@ -262,6 +262,7 @@ async def spawn_async(
         store = dist.HashStore()  # type: ignore[attr-defined]
         sessions = [_c10d.RankSession(st, store) for st in w.ranks]
         _c10d.install()
+        _torch.start_autograd_threads()
     undo = install_task_tracking(loop)
     output = prefixed_output() if prefix_output else contextlib.nullcontext()
     output.__enter__()

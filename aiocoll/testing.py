@@ -68,8 +68,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._engine import Phase, RankState, Work, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
@@ -77,8 +77,8 @@ from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abo
 
 __all__ = ["ThreadedPGReplacement", "replace_threaded_pg"]
 
-_THREADED = "THREADED"  # the backend's key in torch's plugin table
-_HARNESS_MODULE = "torch.testing._internal.common_distributed"
+_THREADED = _torch.threaded_harness.PLUGIN_KEY
+_HARNESS_MODULE = _torch.threaded_harness.MODULE
 
 
 class ThreadedPGReplacement:
@@ -144,25 +144,24 @@ _saved: dict[str, Any] = {}
 
 def _patch() -> None:
     # importing it registers backend "threaded" and defines the class the harness calls
-    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
-
-    plugins: dict[str, Any] = dist.Backend._plugins
+    ProcessLocalGroup = _torch.threaded_harness.process_local_group()
+    plugins = _torch.threaded_harness.plugins()
+    _torch.start_autograd_threads()  # before the harness starts its rank threads
     _saved["plugin"] = plugins[_THREADED]
     # The harness reports a rank's failure through this hook and calls reset() once its
     # threads are joined, before it reads their exceptions: aiocoll's abort and report.
     _saved["hooks"] = {name: ProcessLocalGroup.__dict__[name] for name in ("exception_handle", "reset")}
     # same key, so the plugin keeps its place in the table (c10d looks at the first one)
-    plugins[_THREADED] = dist.Backend._BackendPlugin(_create_group, True)
-    ProcessLocalGroup.exception_handle = classmethod(_exception_handle)  # type: ignore[method-assign,assignment]
-    ProcessLocalGroup.reset = classmethod(_reset)  # type: ignore[method-assign,assignment]
+    plugins[_THREADED] = _torch.threaded_harness.plugin(_create_group)
+    ProcessLocalGroup.exception_handle = classmethod(_exception_handle)
+    ProcessLocalGroup.reset = classmethod(_reset)
 
 
 def _unpatch() -> None:
     global _current
-    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
-
+    ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     _current = None  # a run cut short by this: its threads keep their world, the next run starts afresh
-    dist.Backend._plugins[_THREADED] = _saved.pop("plugin")
+    _torch.threaded_harness.plugins()[_THREADED] = _saved.pop("plugin")
     for name, hook in _saved.pop("hooks").items():
         setattr(ProcessLocalGroup, name, hook)
 

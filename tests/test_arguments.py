@@ -258,6 +258,24 @@ CASES: list[Any] = [
     ),
     pytest.param(
         "all_to_all_single",
+        "'input_split_sizes'",
+        lambda c, w: c.all_to_all_single(_t(w, 3), _t(w, 3), [1, 1, 1], torch.ones(3)),
+        id="splits-float-tensor",
+    ),
+    pytest.param(
+        "all_to_all_single",
+        "'input_split_sizes'",
+        lambda c, w: c.all_to_all_single(_t(w, 3), _t(w, 3), [1, 1, 1], torch.ones(1, 3, dtype=torch.int64)),
+        id="splits-2d-tensor",
+    ),
+    pytest.param(
+        "all_to_all_single",
+        "'input_split_sizes'",
+        lambda c, w: c.all_to_all_single(_t(w, 3), _t(w, 3), [1, 1, 1], torch.tensor([1, 2, 1])),
+        id="splits-tensor-sum",
+    ),
+    pytest.param(
+        "all_to_all_single",
         "'output'",
         lambda c, w: c.all_to_all_single(_t(w, 3, dtype=torch.int64), _t(w, 3)),
         id="all_to_all_single-dtype",

@@ -1,0 +1,415 @@
+"""Every use of a private torch name, in one place.
+
+aiocoll is tested on torch ``TESTED[0]`` to ``TESTED[1]``. Each entry below says what it
+relies on, which releases it covers and how it adapts; features are detected, versions
+are never parsed. The rest of aiocoll imports torch's private names only from here.
+
+A torch that breaks one of these assumptions fails with a ``TorchCompatError`` that
+names the assumption and the tested range, at ``import aiocoll`` (what every rank
+needs) or when a world first uses torch.distributed (``check_c10d()``), never with a
+crash or wrong data.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d
+
+from ._errors import TorchCompatError
+
+# typed as Any: their stubs differ from release to release, and every use is checked here
+_c10d: Any = torch.distributed.distributed_c10d
+_C: Any = torch._C._distributed_c10d
+
+__all__ = [
+    "PREMUL_SUM_FACTOR",
+    "TESTED",
+    "C10dState",
+    "allgather_into",
+    "backend_of",
+    "check_c10d",
+    "default_group",
+    "foreach_copy_",
+    "group_timeout",
+    "new_group_helper",
+    "options",
+    "premul_factor",
+    "python_process_group",
+    "reduce_scatter_into",
+    "set_grad_enabled",
+    "start_autograd_threads",
+    "threaded_harness",
+    "unregister_group",
+]
+
+TESTED = ("2.10", "2.15")
+"""The oldest and newest torch releases aiocoll is tested on (CI runs both, and 2.13)."""
+
+
+def _broken(what: str) -> TorchCompatError:
+    return TorchCompatError(
+        f"aiocoll relies on {what}, which torch {torch.__version__} does not provide; "
+        f"aiocoll is tested on torch {TESTED[0]} to {TESTED[1]}"
+    )
+
+
+def _need(obj: Any, name: str, what: str) -> Any:
+    """``getattr(obj, name)``, or a TorchCompatError naming the assumption."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _broken(what) from None
+
+
+# -- plain private helpers (all releases) ---------------------------------------------
+
+# Setting grad mode directly costs 0.2 us against 1.3 for torch.no_grad() (per op).
+set_grad_enabled: Callable[[bool], None] = _need(torch._C, "_set_grad_enabled", "torch._C._set_grad_enabled")
+# One kernel launch for many copies (the public loop of copy_ is 3x slower at W=64).
+foreach_copy_: Callable[..., None] = _need(torch, "_foreach_copy_", "torch._foreach_copy_")
+
+
+class options:
+    """c10d's option structs; ``torch.distributed`` stopped re-exporting some (2.15)."""
+
+    AllgatherOptions: Any = _C.AllgatherOptions
+    AllreduceOptions: Any = _C.AllreduceOptions
+    AllToAllOptions: Any = _C.AllToAllOptions
+    BarrierOptions: Any = _C.BarrierOptions
+    BroadcastOptions: Any = _C.BroadcastOptions
+    GatherOptions: Any = _C.GatherOptions
+    ReduceOptions: Any = _C.ReduceOptions
+    ReduceScatterOptions: Any = _C.ReduceScatterOptions
+    ScatterOptions: Any = _C.ScatterOptions
+
+
+# -- ReduceOp internals ---------------------------------------------------------------
+
+PREMUL_SUM_FACTOR = "ReduceOp.factor (2.11+) or ReduceOp.__getstate__() (2.10) for PREMUL_SUM's factor"
+
+
+def premul_factor(op: Any) -> float | torch.Tensor:
+    """The factor of a ``_make_nccl_premul_sum(factor)`` op.
+
+    2.11+ exposes ``op.factor``; 2.10 has no such attribute, but its pickling state is
+    ``(RedOpType, factor)`` in every release.
+    """
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = op.__getstate__() if hasattr(op, "__getstate__") else None
+        if not (isinstance(state, tuple) and len(state) == 2):
+            raise _broken(PREMUL_SUM_FACTOR)
+        factor = state[1]
+    if not isinstance(factor, (float, int, torch.Tensor)) or isinstance(factor, bool):
+        raise _broken(PREMUL_SUM_FACTOR)
+    return factor
+
+
+# -- names torch's C++ calls on a Python ProcessGroup --------------------------------
+
+# torch <= 2.12 calls the old names from C++ (functional collectives, DeviceMesh) and
+# from distributed_c10d.py; 2.13+ calls the new ones and falls back to the old.
+_LEGACY_PG_METHODS = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+
+
+def python_process_group(cls: type[dist.ProcessGroup]) -> type[dist.ProcessGroup]:
+    """Class decorator for a ProcessGroup subclass written in Python (no C++ backend).
+
+    - It answers to both generations of method names (above).
+    - ``pg._get_backend(device)`` returns the group itself. c10d's Python code asks the
+      group for its per-device backend before p2p (2.15: ``batch_isend_irecv``, ``send``
+      look up ``supports_coalescing`` with a default, "because custom Python backends are
+      ProcessGroup subclasses"); a Python group registers no C++ backend, and torch's
+      ``_get_backend`` would raise "No backend type associated with device type cpu".
+    """
+    for new, old in _LEGACY_PG_METHODS.items():
+        if new in vars(cls) and old not in vars(cls):
+            setattr(cls, old, vars(cls)[new])
+
+    def _get_backend(self: dist.ProcessGroup, device: Any = None) -> dist.ProcessGroup:
+        return self
+
+    cls._get_backend = _get_backend  # type: ignore[method-assign,assignment]
+    return cls
+
+
+def allgather_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
+    """``pg``'s all-gather into one tensor (``_allgather_base``, bound on every release)."""
+    return pg._allgather_base(out, inp, opts)
+
+
+def reduce_scatter_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
+    """``pg``'s reduce-scatter of one tensor (``_reduce_scatter_base``, bound on every release)."""
+    return pg._reduce_scatter_base(out, inp, opts)
+
+
+def backend_of(pg: dist.ProcessGroup, device: torch.device) -> Any:
+    """``pg``'s backend for ``device`` (gloo's, NCCL's); RuntimeError where it has none."""
+    return pg._get_backend(device)
+
+
+def group_timeout(pg: dist.ProcessGroup, backend: str) -> timedelta:
+    """The timeout ``pg`` was made with where its CPU backend tells it, else c10d's default."""
+    try:
+        t = backend_of(pg, torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        t = None
+    if isinstance(t, timedelta):
+        return t
+    default: timedelta = _c10d._get_default_timeout(dist.Backend(backend))
+    return default
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) group of torch.distributed; it must be initialised."""
+    pg: dist.ProcessGroup = _c10d._get_default_group()
+    return pg
+
+
+def new_group_helper(ranks: list[int], me: int, backend: str, name: str, timeout: timedelta) -> dist.ProcessGroup:
+    """A group of global ``ranks`` made by its members only, registered with c10d.
+
+    ``_new_process_group_helper`` (all releases) makes and registers the group; its
+    global-to-group rank map is c10d's to fill in. ``GroupName`` is a str subclass
+    from 2.11 on.
+    """
+    group_name = getattr(_c10d, "GroupName", str)(name)
+    pg, _ = _c10d._new_process_group_helper(
+        len(ranks), ranks.index(me), ranks, backend, _c10d._get_default_store(), group_name, timeout=timeout
+    )
+    _c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg  # type: ignore[no-any-return]
+
+
+def unregister_group(name: str) -> None:
+    """Drop ``name`` from the C++ registry of groups (functional collectives resolve by it)."""
+    _C._unregister_process_group(name)
+
+
+# -- autograd's device threads ------------------------------------------------------
+
+_autograd_started = False
+
+
+def start_autograd_threads() -> None:
+    """Start autograd's device threads now, from the calling thread (once per process).
+
+    The autograd engine starts them on the first backward, whatever the thread. On
+    torch 2.10, when that first backward ran in a rank thread after a DTensor world had
+    run (functional collectives' backward), the interpreter crashed (segmentation fault
+    in ``Engine::start_device_threads``). A tiny backward from the spawning thread
+    starts them where every release copes; it costs about 0.1 ms once.
+    """
+    global _autograd_started
+    if not _autograd_started:
+        x = torch.ones(1, requires_grad=True)
+        torch.autograd.backward((x * 2).sum())
+        _autograd_started = True
+
+
+# -- per-rank c10d state --------------------------------------------------------------
+
+_World: type = _need(_c10d, "_World", "distributed_c10d._World (c10d's state object)")
+# the properties of _World that read module globals; the rest keep state per instance
+_GLOBAL_PROPERTIES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
+
+
+class C10dState(_World):  # type: ignore[misc]
+    """torch's ``_World`` with all of its state per instance (torch keeps part in globals).
+
+    Every release 2.10-2.15 reads the six maps and ``group_count`` from module globals
+    and keeps the rest (default group, coalescing state, comms, flight-recorder hooks)
+    on the instance; ``check_c10d()`` verifies that of the torch at hand.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._maps: dict[str, dict[Any, Any]] = {name: {} for name in _GLOBAL_PROPERTIES}
+        self._group_count = 0
+
+    @property
+    def pg_map(self) -> dict[Any, Any]:
+        return self._maps["pg_map"]
+
+    @property
+    def pg_names(self) -> dict[Any, Any]:
+        return self._maps["pg_names"]
+
+    @property
+    def pg_group_ranks(self) -> dict[Any, Any]:
+        return self._maps["pg_group_ranks"]
+
+    @property
+    def pg_backend_config(self) -> dict[Any, Any]:
+        return self._maps["pg_backend_config"]
+
+    @property
+    def tags_to_pg(self) -> dict[Any, Any]:
+        return self._maps["tags_to_pg"]
+
+    @property
+    def pg_to_tag(self) -> dict[Any, Any]:
+        return self._maps["pg_to_tag"]
+
+    @property
+    def group_count(self) -> int:
+        return self._group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._group_count = value
+
+    def clear(self) -> None:
+        """Forget every group (torch's objects stay alive only where referenced elsewhere)."""
+        for d in self._maps.values():
+            d.clear()
+        self.pg_coalesce_state.clear()
+        self.default_pg = None
+
+
+_state_var: contextvars.ContextVar[C10dState | None] = contextvars.ContextVar("aiocoll_c10d_state", default=None)
+
+
+def use_state(state: C10dState) -> None:
+    """Make ``state`` torch.distributed's state for the calling thread or task."""
+    _state_var.set(state)
+
+
+class _StateProxy:
+    """Stands in for ``distributed_c10d._world``: the current rank's state, else torch's."""
+
+    __slots__ = ("_fallback",)
+
+    def __init__(self, fallback: Any) -> None:
+        object.__setattr__(self, "_fallback", fallback)
+
+    def _target(self) -> Any:
+        st = _state_var.get()
+        return self._fallback if st is None else st
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target(), name, value)
+
+
+_checked: str | None = None
+
+
+def check_c10d() -> None:
+    """Verify what the per-rank state and patches rely on; raise TorchCompatError if not."""
+    global _checked
+    if _checked == torch.__version__:
+        return
+    a, b = C10dState(), C10dState()
+    for name in dir(_World):
+        prop = getattr(_World, name, None)
+        if not isinstance(prop, property) or name == "pg_config_info":  # pg_config_info derives from pg_map
+            continue
+        va, vb = getattr(a, name), getattr(b, name)
+        if isinstance(va, (dict, list, set)) and va is vb:
+            raise _broken(
+                f"every map of distributed_c10d._World being per instance or one of {_GLOBAL_PROPERTIES} "
+                f"({name!r} is shared)"
+            )
+    for mod, name, what in (
+        (_C, "_set_thread_isolation_mode", "torch._C._distributed_c10d._set_thread_isolation_mode"),
+        (_C, "_unregister_process_group", "torch._C._distributed_c10d._unregister_process_group"),
+        (_c10d, "_process_group_name", "distributed_c10d._process_group_name (how groups are named)"),
+        (_c10d, "_world", "distributed_c10d._world (c10d's state)"),
+    ):
+        _need(mod, name, what)
+    _checked = torch.__version__
+
+
+_saved: dict[str, Any] = {}
+
+
+@contextmanager
+def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[[], int | None]) -> Iterator[None]:
+    """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
+
+    - ``distributed_c10d._world`` becomes a proxy for the state set by ``use_state`` in the
+      calling thread or task (torch's own outside any rank).
+    - The C++ registry of groups by name (functional collectives) is per thread
+      (``_set_thread_isolation_mode``, 2.10+); ranks that share a thread get names made
+      unique by ``name_suffix()``.
+    - ``DeviceMesh`` tells meshes of different ranks apart by ``_thread_id`` only for
+      torch's "threaded" backend; every mesh built in a rank gets ``mesh_identity()``.
+    - ``init_process_group`` wraps ``sys.excepthook`` per rank; the original comes back.
+    """
+    from torch.distributed import device_mesh
+
+    check_c10d()
+    saved_world, saved_hook, saved_name = _c10d._world, sys.excepthook, _c10d._process_group_name
+    mesh_cls = device_mesh.DeviceMesh
+    saved_mesh_init = mesh_cls.__init__
+
+    def process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
+        name = saved_name(ranks, use_hashed_name)
+        suffix = name_suffix()
+        return name if suffix is None else type(name)(f"{name}{suffix}")
+
+    @functools.wraps(saved_mesh_init)
+    def mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved_mesh_init(self, *args, **kwargs)
+        ident = mesh_identity()
+        if ident is not None:
+            self._thread_id = ident
+
+    _c10d._world = _StateProxy(saved_world)
+    _C._set_thread_isolation_mode(True)
+    _c10d._process_group_name = process_group_name
+    mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        mesh_cls.__init__ = saved_mesh_init  # type: ignore[method-assign]
+        _c10d._process_group_name = saved_name
+        _C._set_thread_isolation_mode(False)
+        _c10d._world = saved_world
+        sys.excepthook = saved_hook
+
+
+# -- torch's threaded test harness (torch.testing._internal) -------------------------
+
+
+class threaded_harness:
+    """What ``aiocoll.testing`` replaces in torch's threaded test harness (all releases)."""
+
+    MODULE = "torch.testing._internal.common_distributed"
+    PLUGIN_KEY = "THREADED"  # backend "threaded"'s key in torch's plugin table
+
+    @staticmethod
+    def process_local_group() -> Any:
+        """torch's threaded ProcessGroup class (importing it registers backend "threaded")."""
+        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+        return ProcessLocalGroup
+
+    @staticmethod
+    def plugins() -> dict[str, Any]:
+        """c10d's table of backend plugins (name -> creator)."""
+        table: dict[str, Any] = _need(dist.Backend, "_plugins", "torch.distributed.Backend._plugins")
+        return table
+
+    @staticmethod
+    def plugin(creator: Callable[..., Any]) -> Any:
+        """A plugin entry for ``creator`` taking the extended API."""
+        return _need(dist.Backend, "_BackendPlugin", "torch.distributed.Backend._BackendPlugin")(creator, True)
