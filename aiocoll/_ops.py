@@ -897,16 +897,21 @@ class Recv(_Base):
 
 
 def check_transfer(send: Send, recv: Recv) -> str | None:
-    """Why a matched send and recv cannot transfer, or None."""
-    if send.tensor.dtype != recv.tensor.dtype or send.tensor.shape != recv.tensor.shape:
+    """Why a matched send and recv cannot transfer, or None.
+
+    The dtypes and element counts must agree; shapes may differ, as with gloo and NCCL,
+    which move the elements in order (torch 2.10's pipelining sends a 0-d loss into a
+    receive buffer of shape [1]).
+    """
+    if send.tensor.dtype != recv.tensor.dtype or send.tensor.numel() != recv.tensor.numel():
         return f"send of {_fmt(send.tensor)} matched a recv into {_fmt(recv.tensor)}"
     return None
 
 
 @_no_grad
 def transfer(send: Send, recv: Recv) -> None:
-    """Move a matched send's data into its recv."""
-    recv.tensor.copy_(send.tensor)
+    """Move a matched send's data into its recv (elements in order, whatever the shapes)."""
+    recv.tensor.copy_(send.tensor.reshape(recv.tensor.shape))
 
 
 OPS: tuple[type[_Base], ...] = (

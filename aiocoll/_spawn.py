@@ -262,7 +262,7 @@ async def spawn_async(
         store = dist.HashStore()  # type: ignore[attr-defined]
         sessions = [_c10d.RankSession(st, store) for st in w.ranks]
         _c10d.install()
-        _torch.start_autograd_threads()
+        _torch.prepare_for_rank_threads()
     undo = install_task_tracking(loop)
     output = prefixed_output() if prefix_output else contextlib.nullcontext()
     output.__enter__()

@@ -43,10 +43,10 @@ __all__ = [
     "new_group_helper",
     "options",
     "premul_factor",
+    "prepare_for_rank_threads",
     "python_process_group",
     "reduce_scatter_into",
     "set_grad_enabled",
-    "start_autograd_threads",
     "threaded_harness",
     "unregister_group",
 ]
@@ -201,25 +201,35 @@ def unregister_group(name: str) -> None:
     _C._unregister_process_group(name)
 
 
-# -- autograd's device threads ------------------------------------------------------
+# -- process-wide lazy set-ups that must not first happen in rank threads -----------
 
-_autograd_started = False
+_prepared = False
 
 
-def start_autograd_threads() -> None:
-    """Start autograd's device threads now, from the calling thread (once per process).
+def prepare_for_rank_threads() -> None:
+    """Do, once per process and from the calling thread, what crashes when rank threads race to it.
 
-    The autograd engine starts them on the first backward, whatever the thread. On
-    torch 2.10, when that first backward ran in a rank thread after a DTensor world had
-    run (functional collectives' backward), the interpreter crashed (segmentation fault
-    in ``Engine::start_device_threads``). A tiny backward from the spawning thread
-    starts them where every release copes; it costs about 0.1 ms once.
+    - The autograd engine starts its device threads on the first backward, whatever
+      the thread. On torch 2.10, when that was a rank thread after a DTensor world had
+      run, the interpreter crashed (segmentation fault in ``Engine::start_device_threads``).
+      A tiny backward here starts them.
+    - ``FakeTensorMode`` (DTensor's sharding propagation, from ``parallelize_module``)
+      installs a no-op CUDA device guard on its first use where CUDA is unavailable
+      (``torch._C._ensureCUDADeviceGuardSet``). On torch 2.10's CUDA build without a GPU,
+      rank threads doing that at once crashed in ``c10::impl::ensureCUDADeviceGuardSet``;
+      done here first, their calls find it set.
+
+    Costs about 0.1 ms, once.
     """
-    global _autograd_started
-    if not _autograd_started:
-        x = torch.ones(1, requires_grad=True)
-        torch.autograd.backward((x * 2).sum())
-        _autograd_started = True
+    global _prepared
+    if _prepared:
+        return
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.backward((x * 2).sum())
+    ensure_guard = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure_guard is not None and not torch.cuda.is_available():
+        ensure_guard()
+    _prepared = True
 
 
 # -- per-rank c10d state --------------------------------------------------------------

@@ -146,7 +146,7 @@ def _patch() -> None:
     # importing it registers backend "threaded" and defines the class the harness calls
     ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     plugins = _torch.threaded_harness.plugins()
-    _torch.start_autograd_threads()  # before the harness starts its rank threads
+    _torch.prepare_for_rank_threads()  # before the harness starts its rank threads
     _saved["plugin"] = plugins[_THREADED]
     # The harness reports a rank's failure through this hook and calls reset() once its
     # threads are joined, before it reads their exceptions: aiocoll's abort and report.

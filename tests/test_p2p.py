@@ -116,6 +116,22 @@ def test_send_recv_shape_mismatch(loop: str) -> None:
         aiocoll.spawn(fn, world=2, loop=loop)
 
 
+def test_send_recv_shapes_may_differ_when_the_elements_agree(loop: str) -> None:
+    # as with gloo and NCCL, which move elements: torch 2.10's pipelining sends a 0-d
+    # loss into a receive buffer of shape [1]
+    async def fn(comm: Comm) -> list[list[float]] | None:
+        if comm.rank == 0:
+            await comm.send(torch.tensor(2.5), dst=1)
+            await comm.send(torch.arange(6.0).reshape(2, 3), dst=1)
+            return None
+        one, flat = torch.zeros(1), torch.zeros(6)
+        await comm.recv(one, src=0)
+        await comm.recv(flat, src=0)
+        return [one.tolist(), flat.tolist()]
+
+    assert aiocoll.spawn(fn, world=2, loop=loop)[1] == [[2.5], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
 def test_p2p_noncontiguous_and_dtypes(loop: str) -> None:
     async def fn(comm: Comm) -> torch.Tensor | None:
         if comm.rank == 0:
