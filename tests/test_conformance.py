@@ -107,15 +107,31 @@ def entry(name: str) -> Callable[[Entry], Entry]:
     return register
 
 
-def run_table(rank: int, world: int, only: Collection[str] | None = None) -> dict[str, object]:
-    """Run the table (or the entries in ``only``) on the default group; return every output."""
+UNSUPPORTED = "unsupported by gloo: "
+"""How a gloo rank records an entry its backend refuses (every rank refuses before moving data).
+
+A plain string: the results travel by torch.save from a process whose ``__main__`` is this file.
+"""
+
+
+def run_table(rank: int, world: int, only: Collection[str] | None = None, *, gloo: bool = False) -> dict[str, object]:
+    """Run the table (or the entries in ``only``) on the default group; return every output.
+
+    On gloo, an entry the backend refuses ("Backend gloo does not support alltoall" on
+    torch 2.10) is recorded as ``UNSUPPORTED + message``; the comparison skips it, naming the release.
+    """
     assert dist.is_initialized()
     assert (dist.get_rank(), dist.get_world_size()) == (rank, world)
     assert world == WORLD, "the table is written for a world of 4"
     out: dict[str, object] = {}
     for name, fn in TABLE.items():
         if only is None or name in only:
-            out[name] = fn(rank, world)
+            try:
+                out[name] = fn(rank, world)
+            except RuntimeError as e:
+                if not (gloo and "does not support" in str(e)):
+                    raise
+                out[name] = UNSUPPORTED + str(e).splitlines()[-1]
     dist.barrier()
     return out
 
@@ -1003,7 +1019,7 @@ def _gloo_rank_main(argv: list[str]) -> None:
         )
         try:
             with _quiet_deprecations():
-                results.update(run_table(rank, world, only))
+                results.update(run_table(rank, world, only, gloo=True))
         finally:
             dist.destroy_process_group()
     torch.save(results, out)
@@ -1129,6 +1145,9 @@ def _diff(g: object, a: object, where: str, exact: bool) -> list[str]:
 def test_same_as_gloo(results: Results, name: str) -> None:
     if name in results.errors:
         raise results.errors[name]
+    lacking = {r[name] for r in results.gloo if isinstance(r[name], str) and r[name].startswith(UNSUPPORTED)}
+    if lacking:
+        pytest.skip(f"gloo of torch {torch.__version__} cannot run it, so there is nothing to compare: {lacking}")
     mismatches = [
         m
         for rank in range(WORLD)

@@ -1,0 +1,122 @@
+"""aiocoll/_torch.py: the one module that touches torch's private names, and what it adapts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import aiocoll
+from aiocoll import _torch
+
+PACKAGE = Path(aiocoll.__file__).parent
+
+# torch's private names: modules and attributes spelled with a leading underscore
+PRIVATE = re.compile(
+    r"torch\._C|distributed_c10d|torch\.testing\._internal|\._get_backend\b|c10d\._world\b"
+    r"|Backend\._|_foreach_|_set_grad_enabled|_allgather_base\(|_reduce_scatter_base\("
+)
+
+
+def test_only_the_compat_module_uses_torchs_private_names() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "_torch.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE.search(code) and not code.strip().startswith(
+                (">>>", "...", "``", "from torch.testing._internal")
+            ):
+                offenders.append(f"{path.name}:{n}: {line.strip()}")
+    # docstrings may name them (the harness module aiocoll.testing replaces, an example)
+    offenders = [o for o in offenders if "import MultiThreadedTestCase" not in o and "funcol" not in o]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_check_passes_on_this_torch() -> None:
+    _torch._checked = None
+    _torch.check_c10d()
+    assert _torch._checked == torch.__version__
+
+
+def test_a_torch_that_shares_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    shared: dict[Any, Any] = {}
+
+    class FutureWorld(_torch._World):  # type: ignore[misc,name-defined]
+        @property
+        def pg_new_thing(self) -> dict[Any, Any]:
+            return shared  # a module global, as torch keeps pg_map
+
+    class State(_torch.C10dState, FutureWorld):  # type: ignore[misc]
+        pass
+
+    monkeypatch.setattr(_torch, "_World", FutureWorld)
+    monkeypatch.setattr(_torch, "C10dState", State)
+    monkeypatch.setattr(_torch, "_checked", None)
+    with pytest.raises(aiocoll.TorchCompatError, match=r"'pg_new_thing' is shared.*tested on torch 2\.10 to 2\.15"):
+        _torch.check_c10d()
+
+
+def test_premul_factor_on_every_release() -> None:
+    op = dist._make_nccl_premul_sum(2.5)
+    assert _torch.premul_factor(op) == 2.5
+
+    class Old:  # torch 2.10: no .factor, the factor is in the pickling state
+        def __getstate__(self) -> tuple[Any, Any]:
+            return (dist.ReduceOp.PREMUL_SUM, torch.tensor([3.0]))
+
+    assert torch.equal(_torch.premul_factor(Old()), torch.tensor([3.0]))  # type: ignore[arg-type]
+
+    class Broken:
+        def __getstate__(self) -> int:
+            return 0
+
+    with pytest.raises(aiocoll.TorchCompatError, match="PREMUL_SUM"):
+        _torch.premul_factor(Broken())
+
+
+def test_the_process_group_answers_to_both_generations_of_method_names() -> None:
+    from aiocoll._c10d import AiocollProcessGroup
+
+    for new, old in _torch._LEGACY_PG_METHODS.items():
+        assert getattr(AiocollProcessGroup, old) is getattr(AiocollProcessGroup, new), old
+
+
+def test_no_crash_when_a_backward_follows_a_dtensor_world() -> None:
+    # torch 2.10 crashed (segmentation fault) here before prepare_for_rank_threads():
+    # autograd's device threads first started from a rank thread, after a DTensor world
+    code = textwrap.dedent(
+        """
+        import warnings
+        import torch, torch.distributed as dist, aiocoll
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor, Shard, Replicate
+        warnings.simplefilter("ignore")
+
+        def mesh_fn(comm):
+            mesh = init_device_mesh("cpu", (2, 2))
+            d = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0), Replicate()])
+            return (d @ d).full_tensor().sum().item()
+
+        def grad_fn(comm):
+            a = torch.full((2,), float(dist.get_rank() + 1), requires_grad=True)
+            y = funcol.wait_tensor(funcol.all_gather_tensor_autograd(a * 2, 0, dist.group.WORLD))
+            (y * torch.arange(4.0)).sum().backward()
+            return a.grad.tolist()
+
+        print(aiocoll.spawn(mesh_fn, world=4)[0])
+        print(aiocoll.spawn(grad_fn, world=2))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["3920.0", "[[0.0, 4.0], [8.0, 12.0]]"]
