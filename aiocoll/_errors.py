@@ -164,5 +164,13 @@ class TorchCompatError(AiocollError, RuntimeError):
     """The installed torch lacks something aiocoll relies on (outside the tested range).
 
     The message names the assumption and the torch releases aiocoll is tested on; it
-    is raised before any rank runs, never as a crash or a wrong result later.
+    is raised before any rank runs, never as a crash or a wrong result later:
+
+    >>> import aiocoll
+    >>> try:
+    ...     _ = aiocoll.spawn(lambda comm: None, world=2)
+    ... except aiocoll.TorchCompatError as e:  # on a torch outside the tested range
+    ...     print(e)  # "aiocoll relies on ..., which torch X does not provide; ..."
+    >>> issubclass(aiocoll.TorchCompatError, RuntimeError)
+    True
     """

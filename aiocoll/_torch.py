@@ -42,6 +42,7 @@ __all__ = [
     "group_timeout",
     "new_group_helper",
     "options",
+    "patched_c10d",
     "premul_factor",
     "prepare_for_rank_threads",
     "python_process_group",
@@ -49,6 +50,7 @@ __all__ = [
     "set_grad_enabled",
     "threaded_harness",
     "unregister_group",
+    "use_state",
 ]
 
 TESTED = ("2.10", "2.15")

@@ -26,6 +26,7 @@ def test_public_names() -> None:
         "Fault",
         "InjectedFault",
         "InvalidArgumentError",
+        "TorchCompatError",
         "OpInfo",
         "SeedFailure",
         "Work",
