@@ -153,9 +153,12 @@ def test_bench_process_group_quick() -> None:
     script = BENCH_ALLREDUCE.parent / "bench_process_group.py"
     proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # gloo of torch 2.10 prints "[Gloo] Rank 0 is connected to 0 peer ranks..." to stdout
-    lines = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo]")]
-    assert lines[1].split() == ["path", "iters", "us", "per", "op", "overhead", "us", "vs", "blocking"]
+    # gloo of torch 2.10 prints "[Gloo] Rank 0 is connected to 1 peer ranks..." from each
+    # process to the shared stdout, interleaved: the table starts after its title line
+    lines = proc.stdout.splitlines()
+    title = next((i for i, line in enumerate(lines) if line.startswith("gloo, ")), None)
+    assert title is not None, proc.stdout
+    assert lines[title + 1].split() == ["path", "iters", "us", "per", "op", "overhead", "us", "vs", "blocking"]
     blocking = [line.split() for line in lines if "dist.all_reduce(t)" in line]
     bridged = [line.split() for line in lines if "aiocoll on asyncio" in line]
     assert blocking, proc.stdout

@@ -216,8 +216,9 @@ def _membership(g: Any) -> object:
 def _new_group_local(rank: int, world: int) -> object:
     # only the members call new_group. Run in a world of its own (ISOLATED), on gloo and
     # on aiocoll: after a sub-group has carried point-to-point traffic this new_group
-    # hangs on gloo (torch 2.13), and once it has run, a later new_group([1, 2, 3]) with
-    # batch_isend_irecv in it hangs on gloo (torch 2.15)
+    # hangs on gloo (torch 2.13); and torch 2.15 advances its group counter here on the
+    # members only, so a later new_group([1, 2, 3]) is named "1" on ranks 1 and 3 but
+    # "2" on rank 2: its p2p hangs on gloo, and aiocoll reports a deadlock
     if rank not in (0, 2):
         return None
     g = dist.new_group([0, 2], use_local_synchronization=True)
