@@ -402,6 +402,18 @@ def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[
 # -- torch's threaded test harness (torch.testing._internal) -------------------------
 
 
+def _per_thread(name: str, kind: type) -> property:
+    """A ThreadLocalWorld property: a ``kind()`` kept on the calling thread's world data."""
+
+    def get(self: Any) -> Any:
+        world = self._get_world()
+        if not hasattr(world, name):
+            setattr(world, name, kind())
+        return getattr(world, name)
+
+    return property(get)
+
+
 class threaded_harness:
     """What ``aiocoll.testing`` replaces in torch's threaded test harness (all releases)."""
 
@@ -414,6 +426,36 @@ class threaded_harness:
         from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
         return ProcessLocalGroup
+
+    @staticmethod
+    def mend_thread_local_world() -> list[str]:
+        """Give torch's ``ThreadLocalWorld`` the ``_World`` properties it lacks; the names added.
+
+        torch 2.11 added ``_World.comms`` (read by ``destroy_process_group``) but not to
+        the harness's thread-local stand-in: every harness test failed there with
+        "'ThreadLocalWorld' object has no attribute 'comms'", with aiocoll or without.
+        Each added property keeps a fresh container per thread, as torch 2.12 does.
+        """
+        from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+        fresh = _World()
+        added = []
+        for name in dir(_World):
+            held = vars(fresh).get(f"_{name}")  # state a _World keeps on the instance (not derived)
+            if held is None or hasattr(ThreadLocalWorld, name):
+                continue
+            if not isinstance(held, (list, dict, set)):
+                raise _broken(f"torch.testing's ThreadLocalWorld having every property of _World ({name!r})")
+            setattr(ThreadLocalWorld, name, _per_thread(name, type(held)))
+            added.append(name)
+        return added
+
+    @staticmethod
+    def unmend_thread_local_world(added: list[str]) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+        for name in added:
+            delattr(ThreadLocalWorld, name)
 
     @staticmethod
     def plugins() -> dict[str, Any]:

@@ -147,6 +147,7 @@ def _patch() -> None:
     ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     plugins = _torch.threaded_harness.plugins()
     _torch.prepare_for_rank_threads()  # before the harness starts its rank threads
+    _saved["mended"] = _torch.threaded_harness.mend_thread_local_world()
     _saved["plugin"] = plugins[_THREADED]
     # The harness reports a rank's failure through this hook and calls reset() once its
     # threads are joined, before it reads their exceptions: aiocoll's abort and report.
@@ -162,6 +163,7 @@ def _unpatch() -> None:
     ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     _current = None  # a run cut short by this: its threads keep their world, the next run starts afresh
     _torch.threaded_harness.plugins()[_THREADED] = _saved.pop("plugin")
+    _torch.threaded_harness.unmend_thread_local_world(_saved.pop("mended"))
     for name, hook in _saved.pop("hooks").items():
         setattr(ProcessLocalGroup, name, hook)
 

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from aiocoll._torch import threaded_harness
+
 if TYPE_CHECKING:
     from aiocoll import Comm
 
@@ -176,6 +178,8 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     saved_excepthook = sys.excepthook
     saved_c10d = {name: getattr(c10d, name) for name in C10D_GLOBALS}
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+    # torch 2.11's harness lacks _World.comms, which destroy_process_group reads: mended, at no cost per op
+    mended = threaded_harness.mend_thread_local_world()
     _install_threaded_pg()  # type: ignore[no-untyped-call]
     try:
         start_and_join(threads, world, worker, "threaded-pg rank", started.abort, timeout)
@@ -186,6 +190,7 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     finally:
         ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
         _uninstall_threaded_pg()  # type: ignore[no-untyped-call]
+        threaded_harness.unmend_thread_local_world(mended)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
         sys.excepthook = saved_excepthook
         for name, value in saved_c10d.items():

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.common_distributed import MultiThreadedTestCase, spawn_threads_and_init_comms
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
-from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
 
 import aiocoll
 from aiocoll._c10d import AiocollProcessGroup
@@ -245,6 +245,19 @@ def aiocoll_pg() -> Iterator[ThreadedPGReplacement]:
         yield r
 
 
+# torch 2.11's own harness fails in destroy_process_group: its ThreadLocalWorld lacks the
+# new _World.comms. aiocoll's replacement mends that while in force; torch's own cannot pass.
+TORCH_OWN_HARNESS_BROKEN = hasattr(dist.distributed_c10d._World, "comms") and not hasattr(ThreadLocalWorld, "comms")
+
+
+def _check_torch_own_harness() -> None:
+    if TORCH_OWN_HARNESS_BROKEN:
+        pytest.skip(f"torch {torch.__version__}'s own threaded harness is broken ('ThreadLocalWorld' has no 'comms')")
+    result = _run(TorchOwn)
+    assert result.testsRun == 1
+    assert result.wasSuccessful(), _problems(result)
+
+
 def _torch_state() -> tuple[Any, ...]:
     """What replace_threaded_pg changes, by identity."""
     return (
@@ -350,9 +363,7 @@ def test_context_manager_restores_torch_exactly() -> None:
     outer.restore()  # again: a no-op
     assert _torch_state() == before
     assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
-    result = _run(TorchOwn)
-    assert result.testsRun == 1
-    assert result.wasSuccessful(), _problems(result)
+    _check_torch_own_harness()
 
 
 def test_plain_call_until_restore() -> None:
@@ -363,7 +374,7 @@ def test_plain_call_until_restore() -> None:
     finally:
         r.restore()
     assert _torch_state() == before
-    assert _run(TorchOwn).wasSuccessful()
+    _check_torch_own_harness()
 
 
 def test_bad_timeout() -> None:

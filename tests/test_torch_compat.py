@@ -120,3 +120,27 @@ def test_no_crash_when_a_backward_follows_a_dtensor_world() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["3920.0", "[[0.0, 4.0], [8.0, 12.0]]"]
+
+
+def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11 added _World.comms but not to the harness's ThreadLocalWorld
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+    class NewerWorld(_torch._World):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self._pg_new_thing: list[Any] = []
+
+        @property
+        def pg_new_thing(self) -> list[Any]:
+            return self._pg_new_thing
+
+    monkeypatch.setattr(_torch, "_World", NewerWorld)
+    added = _torch.threaded_harness.mend_thread_local_world()
+    try:
+        assert "pg_new_thing" in added
+        assert isinstance(vars(ThreadLocalWorld)["pg_new_thing"], property)
+        assert "pg_config_info" not in added  # derived from pg_map, not state to keep
+    finally:
+        _torch.threaded_harness.unmend_thread_local_world(added)
+    assert not hasattr(ThreadLocalWorld, "pg_new_thing")
