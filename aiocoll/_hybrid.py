@@ -9,8 +9,8 @@ the same pure op code as a flat world, so results are bitwise those of a flat wo
 Exchanging whole calls costs bandwidth (each process receives every rank's inputs): this
 is for tests and simulations of large worlds, not a fast data path.
 
-The bridge talks to torch only through the process group object (``pg._allgather_base``
-via ``_pg.all_gather_bytes``), on a task of its own in a context with no rank in it, so
+The bridge talks to torch only through the process group object (an all-gather into one
+tensor, ``_pg.all_gather_bytes``), on a task of its own in a context with no rank in it, so
 neither aiocoll's per-rank c10d state nor its task tracking sees it.
 """
 

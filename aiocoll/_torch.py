@@ -241,6 +241,15 @@ _World: type = _need(_c10d, "_World", "distributed_c10d._World (c10d's state obj
 _GLOBAL_PROPERTIES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
 
 
+def _own_map(name: str) -> property:
+    """A map kept on the state object, where torch reads a module global."""
+
+    def get(self: C10dState) -> dict[Any, Any]:
+        return self._maps[name]
+
+    return property(get)
+
+
 class C10dState(_World):  # type: ignore[misc]
     """torch's ``_World`` with all of its state per instance (torch keeps part in globals).
 
@@ -254,29 +263,12 @@ class C10dState(_World):  # type: ignore[misc]
         self._maps: dict[str, dict[Any, Any]] = {name: {} for name in _GLOBAL_PROPERTIES}
         self._group_count = 0
 
-    @property
-    def pg_map(self) -> dict[Any, Any]:
-        return self._maps["pg_map"]
-
-    @property
-    def pg_names(self) -> dict[Any, Any]:
-        return self._maps["pg_names"]
-
-    @property
-    def pg_group_ranks(self) -> dict[Any, Any]:
-        return self._maps["pg_group_ranks"]
-
-    @property
-    def pg_backend_config(self) -> dict[Any, Any]:
-        return self._maps["pg_backend_config"]
-
-    @property
-    def tags_to_pg(self) -> dict[Any, Any]:
-        return self._maps["tags_to_pg"]
-
-    @property
-    def pg_to_tag(self) -> dict[Any, Any]:
-        return self._maps["pg_to_tag"]
+    pg_map = _own_map("pg_map")
+    pg_names = _own_map("pg_names")
+    pg_group_ranks = _own_map("pg_group_ranks")
+    pg_backend_config = _own_map("pg_backend_config")
+    tags_to_pg = _own_map("tags_to_pg")
+    pg_to_tag = _own_map("pg_to_tag")
 
     @property
     def group_count(self) -> int:
