@@ -163,8 +163,9 @@ class BlockingCallError(AiocollError, RuntimeError):
 class TorchCompatError(AiocollError, RuntimeError):
     """The installed torch lacks something aiocoll relies on (outside the tested range).
 
-    The message names the assumption and the torch releases aiocoll is tested on; it
-    is raised before any rank runs, never as a crash or a wrong result later:
+    The message names the assumption and the torch releases aiocoll is tested on. It is
+    raised before any data moves (mostly before any rank runs), instead of a crash or a
+    wrong result:
 
     >>> import aiocoll
     >>> try:

@@ -261,8 +261,8 @@ async def spawn_async(
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]
         sessions = [_c10d.RankSession(st, store) for st in w.ranks]
+        _torch.prepare_for_rank_threads()  # before install(): a failure here leaves nothing to undo
         _c10d.install()
-        _torch.prepare_for_rank_threads()
     undo = install_task_tracking(loop)
     output = prefixed_output() if prefix_output else contextlib.nullcontext()
     output.__enter__()

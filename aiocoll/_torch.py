@@ -5,13 +5,17 @@ relies on, which releases it covers and how it adapts; features are detected, ve
 are never parsed. The rest of aiocoll imports torch's private names only from here.
 
 A torch that breaks one of these assumptions fails with a ``TorchCompatError`` that
-names the assumption and the tested range, at ``import aiocoll`` (what every rank
-needs) or when a world first uses torch.distributed (``check_c10d()``), never with a
-crash or wrong data.
+names the assumption and the tested range instead of a crash or wrong data: what every
+world needs is checked at ``import aiocoll``; what torch.distributed worlds need, by
+``check_c10d()`` when one starts; ``premul_factor`` checks at the call, before any data
+moves. The helpers for real process groups (``default_group``, ``new_group_helper``,
+``group_timeout``, ``allgather_into``, ``reduce_scatter_into``) call torch directly:
+their names are bound by every release tested, and torch's own error would name them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import sys
@@ -83,15 +87,15 @@ foreach_copy_: Callable[..., None] = _need(torch, "_foreach_copy_", "torch._fore
 class options:
     """c10d's option structs; ``torch.distributed`` stopped re-exporting some (2.15)."""
 
-    AllgatherOptions: Any = _C.AllgatherOptions
-    AllreduceOptions: Any = _C.AllreduceOptions
-    AllToAllOptions: Any = _C.AllToAllOptions
-    BarrierOptions: Any = _C.BarrierOptions
-    BroadcastOptions: Any = _C.BroadcastOptions
-    GatherOptions: Any = _C.GatherOptions
-    ReduceOptions: Any = _C.ReduceOptions
-    ReduceScatterOptions: Any = _C.ReduceScatterOptions
-    ScatterOptions: Any = _C.ScatterOptions
+    AllgatherOptions: Any = _need(_C, "AllgatherOptions", "torch._C._distributed_c10d.AllgatherOptions")
+    AllreduceOptions: Any = _need(_C, "AllreduceOptions", "torch._C._distributed_c10d.AllreduceOptions")
+    AllToAllOptions: Any = _need(_C, "AllToAllOptions", "torch._C._distributed_c10d.AllToAllOptions")
+    BarrierOptions: Any = _need(_C, "BarrierOptions", "torch._C._distributed_c10d.BarrierOptions")
+    BroadcastOptions: Any = _need(_C, "BroadcastOptions", "torch._C._distributed_c10d.BroadcastOptions")
+    GatherOptions: Any = _need(_C, "GatherOptions", "torch._C._distributed_c10d.GatherOptions")
+    ReduceOptions: Any = _need(_C, "ReduceOptions", "torch._C._distributed_c10d.ReduceOptions")
+    ReduceScatterOptions: Any = _need(_C, "ReduceScatterOptions", "torch._C._distributed_c10d.ReduceScatterOptions")
+    ScatterOptions: Any = _need(_C, "ScatterOptions", "torch._C._distributed_c10d.ScatterOptions")
 
 
 # -- ReduceOp internals ---------------------------------------------------------------
@@ -221,13 +225,15 @@ def prepare_for_rank_threads() -> None:
       rank threads doing that at once crashed in ``c10::impl::ensureCUDADeviceGuardSet``;
       done here first, their calls find it set.
 
-    Costs about 0.1 ms, once.
+    Costs about 0.1 ms, once, whatever the caller's grad mode.
     """
     global _prepared
     if _prepared:
         return
-    x = torch.ones(1, requires_grad=True)
-    torch.autograd.backward((x * 2).sum())
+    # whatever grad mode the caller is in (torch.no_grad(), inference mode)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        torch.autograd.backward((x * 2).sum())
     ensure_guard = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
     if ensure_guard is not None and not torch.cuda.is_available():
         ensure_guard()
@@ -377,18 +383,17 @@ def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[
         if ident is not None:
             self._thread_id = ident
 
-    _c10d._world = _StateProxy(saved_world)
-    _C._set_thread_isolation_mode(True)
-    _c10d._process_group_name = process_group_name
-    mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as undo:  # each step undone, in reverse, even if a later one fails
+        undo.callback(setattr, sys, "excepthook", saved_hook)
+        _c10d._world = _StateProxy(saved_world)
+        undo.callback(setattr, _c10d, "_world", saved_world)
+        _C._set_thread_isolation_mode(True)
+        undo.callback(_C._set_thread_isolation_mode, False)
+        _c10d._process_group_name = process_group_name
+        undo.callback(setattr, _c10d, "_process_group_name", saved_name)
+        mesh_cls.__init__ = mesh_init
+        undo.callback(setattr, mesh_cls, "__init__", saved_mesh_init)
         yield
-    finally:
-        mesh_cls.__init__ = saved_mesh_init  # type: ignore[method-assign]
-        _c10d._process_group_name = saved_name
-        _C._set_thread_isolation_mode(False)
-        _c10d._world = saved_world
-        sys.excepthook = saved_hook
 
 
 # -- torch's threaded test harness (torch.testing._internal) -------------------------

@@ -354,7 +354,7 @@ def test_unmatched_send_is_reported() -> None:
 
 
 def test_context_manager_restores_torch_exactly() -> None:
-    before = _torch_state()
+    before, thread_local_world = _torch_state(), set(vars(ThreadLocalWorld))
     with replace_threaded_pg() as outer:
         assert _torch_state()[0] is not before[0]
         with replace_threaded_pg():  # nested: the outer one stays in force
@@ -363,17 +363,19 @@ def test_context_manager_restores_torch_exactly() -> None:
     outer.restore()  # again: a no-op
     assert _torch_state() == before
     assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
+    assert set(vars(ThreadLocalWorld)) == thread_local_world  # what was mended (torch 2.11) is gone
     _check_torch_own_harness()
 
 
 def test_plain_call_until_restore() -> None:
-    before = _torch_state()
+    before, thread_local_world = _torch_state(), set(vars(ThreadLocalWorld))
     r = replace_threaded_pg()
     try:
         assert _run(Collectives, "test_runs_on_aiocoll").wasSuccessful()
     finally:
         r.restore()
     assert _torch_state() == before
+    assert set(vars(ThreadLocalWorld)) == thread_local_world
     _check_torch_own_harness()
 
 
