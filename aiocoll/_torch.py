@@ -391,7 +391,7 @@ def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[
         undo.callback(_C._set_thread_isolation_mode, False)
         _c10d._process_group_name = process_group_name
         undo.callback(setattr, _c10d, "_process_group_name", saved_name)
-        mesh_cls.__init__ = mesh_init
+        mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
         undo.callback(setattr, mesh_cls, "__init__", saved_mesh_init)
         yield
 
