@@ -151,7 +151,22 @@ def python_process_group(cls: type[dist.ProcessGroup]) -> type[dist.ProcessGroup
         return self
 
     cls._get_backend = _get_backend  # type: ignore[method-assign,assignment]
+    # Standing in for its backend, it answers c10d's capability questions: none of them
+    # (splitting, coalescing, shrinking, time estimates, tensor allocation), so torch
+    # raises its own clear error ("... does not support splitting") or takes its
+    # fallback, instead of an AttributeError.
+    for name in dir(_C.Backend):
+        if "supports" not in name or name in vars(cls):
+            continue
+        if isinstance(getattr(_C.Backend, name), property):
+            setattr(cls, name, False)
+        else:
+            setattr(cls, name, _supports_nothing)
     return cls
+
+
+def _supports_nothing(self: Any, *args: Any, **kwargs: Any) -> bool:
+    return False
 
 
 def allgather_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:

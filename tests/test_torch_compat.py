@@ -187,3 +187,24 @@ def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.Mo
     finally:
         _torch.threaded_harness.unmend_thread_local_world(added)
     assert not hasattr(ThreadLocalWorld, "pg_new_thing")
+
+
+def test_the_process_group_answers_what_c10d_asks_a_backend() -> None:
+    # c10d asks group._get_backend(device) about capabilities; aiocoll's group has none,
+    # and says so, so torch takes its fallback or raises its own clear error
+    def fn(comm: aiocoll.Comm) -> list[Any]:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        out: list[Any] = [backend is dist.group.WORLD, backend.supports_splitting, backend.supports_coalescing]
+        out.append(backend.supports_tensor_alloc(torch.device("cpu")))
+        if hasattr(dist, "split_group"):
+            try:
+                dist.split_group(split_ranks=[[0], [1]])
+            except RuntimeError as e:
+                out.append(str(e))
+        return out
+
+    res = aiocoll.spawn(fn, world=2)
+    for out in res:
+        assert out[:4] == [True, False, False, False]
+        if hasattr(dist, "split_group"):  # torch's own refusal (2.15: "does not support splitting")
+            assert "split" in out[4], out[4]
