@@ -85,7 +85,7 @@ foreach_copy_: Callable[..., None] = _need(torch, "_foreach_copy_", "torch._fore
 
 
 class options:
-    """c10d's option structs; ``torch.distributed`` stopped re-exporting some (2.15)."""
+    """c10d's option structs (``torch.distributed`` does not re-export them all, 2.10-2.15)."""
 
     AllgatherOptions: Any = _need(_C, "AllgatherOptions", "torch._C._distributed_c10d.AllgatherOptions")
     AllreduceOptions: Any = _need(_C, "AllreduceOptions", "torch._C._distributed_c10d.AllreduceOptions")
@@ -100,14 +100,14 @@ class options:
 
 # -- ReduceOp internals ---------------------------------------------------------------
 
-PREMUL_SUM_FACTOR = "ReduceOp.factor (2.11+) or ReduceOp.__getstate__() (2.10) for PREMUL_SUM's factor"
+PREMUL_SUM_FACTOR = "ReduceOp.factor (2.13+) or ReduceOp.__getstate__() (2.10-2.12) for PREMUL_SUM's factor"
 
 
 def premul_factor(op: Any) -> float | torch.Tensor:
     """The factor of a ``_make_nccl_premul_sum(factor)`` op.
 
-    2.11+ exposes ``op.factor``; 2.10 has no such attribute, but its pickling state is
-    ``(RedOpType, factor)`` in every release.
+    2.13+ exposes ``op.factor``; 2.10-2.12 have no such attribute, but the pickling
+    state is ``(RedOpType, factor)`` in every release.
     """
     factor = getattr(op, "factor", None)
     if factor is None:
@@ -122,8 +122,9 @@ def premul_factor(op: Any) -> float | torch.Tensor:
 
 # -- names torch's C++ calls on a Python ProcessGroup --------------------------------
 
-# torch <= 2.12 calls the old names from C++ (functional collectives, DeviceMesh) and
-# from distributed_c10d.py; 2.13+ calls the new ones and falls back to the old.
+# torch 2.10-2.12 call the old names from C++ (functional collectives, DeviceMesh) and
+# from distributed_c10d.py (their libtorch_python knows no other); 2.13+ call the new
+# ones and fall back to the old.
 _LEGACY_PG_METHODS = {
     "all_gather_single": "_allgather_base",
     "reduce_scatter_single": "_reduce_scatter_base",
@@ -205,9 +206,9 @@ def default_group() -> dist.ProcessGroup:
 def new_group_helper(ranks: list[int], me: int, backend: str, name: str, timeout: timedelta) -> dist.ProcessGroup:
     """A group of global ``ranks`` made by its members only, registered with c10d.
 
-    ``_new_process_group_helper`` (all releases) makes and registers the group; its
-    global-to-group rank map is c10d's to fill in. ``GroupName`` is a str subclass
-    from 2.11 on.
+    ``_new_process_group_helper`` (2.10-2.15) makes and registers the group; its
+    global-to-group rank map is filled in here, as ``new_group`` does. Group names are
+    ``GroupName``, a str subclass (plain str where a torch has none).
     """
     group_name = getattr(_c10d, "GroupName", str)(name)
     pg, _ = _c10d._new_process_group_helper(

@@ -112,7 +112,7 @@ def test_premul_factor_on_every_release() -> None:
     op = dist._make_nccl_premul_sum(2.5)
     assert _torch.premul_factor(op) == 2.5
 
-    class Old:  # torch 2.10: no .factor, the factor is in the pickling state
+    class Old:  # torch 2.10-2.12: no .factor, the factor is in the pickling state
         def __getstate__(self) -> tuple[Any, Any]:
             return (dist.ReduceOp.PREMUL_SUM, torch.tensor([3.0]))
 
