@@ -127,6 +127,14 @@ class AiocollWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         if self._future is None:
+            w0 = self._works[0]
+            if w0._event is not None and w0._rank.world.turns is not None:
+                # Ranks take turns, and C++ callers (DDP's reducer) block on the future
+                # itself, keeping the turn: wait here instead, giving it away. (Errors
+                # are the future's to carry.)
+                for w in self._works:
+                    with contextlib.suppress(Exception):
+                        w.wait()
             if len(self._works) == 1:
                 self._future = self._works[0].torch_future(self._value)
             else:

@@ -157,7 +157,12 @@ class Comm:
             if hit is not None:
                 return self._world.inject(*hit, work)
         if self._threaded:
-            self._world.call_soon_threadsafe(self._world.post, work)
+            world = self._world
+            lock = world.lock
+            if lock is not None:  # ranks take turns: this thread runs the engine
+                with lock:
+                    return world.post(work)
+            world.call_soon_threadsafe(world.post, work)
             return work
         return self._world.post(work)
 

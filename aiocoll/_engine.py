@@ -2,7 +2,9 @@
 and deadlock detection. It knows nothing of what an op does: it only compares call
 signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
 
-Everything here runs on the world's event loop thread.
+Everything here runs on the world's event loop thread, or, for sync ranks that take
+turns (``_turns``), in the thread of the rank that holds the turn, under the world's
+``lock`` (which the loop then takes too, for timers and ops it runs).
 
 Deadlock detection rests on one invariant: a Work can only complete when some rank
 makes a call. So if every live rank is *blocked* (each of its tasks is awaiting an
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from . import _cuda, _device
+from ._deadlines import Deadlines
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -44,6 +47,7 @@ from ._errors import (
 from ._faults import Fault, FaultPlan, OpInfo
 from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
+from ._turns import TurnEvent, Turns
 
 __all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
 
@@ -351,7 +355,10 @@ class Work:
         self._site = site
         self._parked_on: RankState | None = None
         # set for works issued from another thread, which blocks on it in wait()
-        self._event = _Latch() if threaded else None
+        self._event: _Latch | TurnEvent | None = None
+        if threaded:
+            turns = world.turns
+            self._event = _Latch() if turns is None else turns.event(self._rank.rank)
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
@@ -452,7 +459,17 @@ class Work:
             event = self._event
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
-            if timeout is None:
+            lock = world.lock
+            if lock is not None:  # ranks take turns: report the wait now, then hand the turn over
+                if timeout is None:
+                    with lock:
+                        world.park(self)
+                    event.wait()
+                elif not event.wait(timeout):
+                    raise CollectiveTimeoutError(
+                        f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
+                    )
+            elif timeout is None:
                 # Tell the loop this thread is blocked only if the wait is not short: most
                 # complete within microseconds, and a message per wait costs a loop wake-up.
                 if not event.wait(_PARK_AFTER):
@@ -551,7 +568,7 @@ class Work:
 class Rendezvous:
     """The meeting of a group's ranks at one sequence number."""
 
-    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "stamp", "timer", "works")
+    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "stamp", "works")
 
     def __init__(self, group: Group, seq: int) -> None:
         self.group = group
@@ -561,13 +578,17 @@ class Rendezvous:
         self.works: list[Work | None] = [None] * n
         self.arrived = 0
         self.sig: Any = None
-        self.timer: asyncio.TimerHandle | None = None
         self.mismatched = False
         self.stamp: Stamp | None = None
 
     @property
     def where(self) -> str:
         return f"#{self.seq} on group {self.group.name!r}"
+
+    @property
+    def pending(self) -> bool:
+        """Whether it still waits for ranks (it leaves its group's table when it completes or fails)."""
+        return self.group.pending.get(self.seq) is self
 
     def missing(self) -> list[int]:
         return [r for r, w in enumerate(self.works) if w is None]
@@ -658,7 +679,14 @@ class World:
         self._n_live = 0
         self._n_blocked = 0
         self._p2p_counter = itertools.count()
-        self._p2p_timers: dict[Work, asyncio.TimerHandle] = {}
+        # unmatched sends and recvs, which time out (see _p2p_timed_out)
+        self._p2p_waiting: set[Work] = set()
+        # sync ranks taking turns run the engine in their threads, under this lock
+        self.turns: Turns | None = None
+        self.lock: threading.RLock | None = None
+        self._deadlines = (
+            None if timeout is None else Deadlines(loop, timeout, self._still_pending, self._expired, self.locked)
+        )
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
@@ -686,7 +714,21 @@ class World:
         """Schedule ``fn`` on the loop from any thread (a no-op once the loop is closed)."""
         # a closed loop means the world is gone and nothing waits any more
         with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(self.locked, fn, *args)
+
+    def take_turns(self, turns: Turns) -> None:
+        """Sync ranks take turns (see ``_turns``): they run the engine in their own threads."""
+        self.turns = turns
+        self.lock = threading.RLock()
+
+    def locked(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` as engine code: under the lock when rank threads run the engine too."""
+        lock = self.lock
+        if lock is None:
+            fn(*args)
+        else:
+            with lock:
+                fn(*args)
 
     def post(self, work: Work) -> Work:
         """Enter ``work`` into the engine: a collective, a send or a recv. Loop thread only."""
@@ -740,6 +782,11 @@ class World:
             work._rank.injected = f"hung by an injected fault in {info.op} (its operation #{info.index})"
         if self.on_loop_thread():
             self._hold(work, fault)
+        elif self.lock is not None:
+            # a rank taking turns: held before it can wait on it (a wait on a held work
+            # is not counted as blocked)
+            with self.lock:
+                self._hold(work, fault)
         else:
             self.call_soon_threadsafe(self._hold, work, fault)
         return work
@@ -747,15 +794,25 @@ class World:
     def _hold(self, work: Work, fault: Fault) -> None:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
-        elif fault.kind == "delay":
-            self._held[work] = self.loop.call_later(fault.seconds, self._release, work)
-        elif self.timeout is not None:
+            return
+        self._held[work] = None  # its timer, if any, is armed on the loop
+        if fault.kind == "delay" or self.timeout is not None:
+            if self.on_loop_thread():
+                self._arm_hold(work, fault)
+            else:
+                self.call_soon_threadsafe(self._arm_hold, work, fault)
+
+    def _arm_hold(self, work: Work, fault: Fault) -> None:
+        if work not in self._held:
+            return  # released by an abort meanwhile
+        if fault.kind == "delay":
+            self._held[work] = self.loop.call_later(fault.seconds, self.locked, self._release, work)
+        else:
+            assert self.timeout is not None
             # The hung rank waits in its call too, and the timeout bounds that as any wait
             # (alone in its world, nothing else would end it). Twice the timeout: the
             # peers waiting for it time out first, and their report says more.
-            self._held[work] = self.loop.call_later(2 * self.timeout, self._hang_timed_out, work)
-        else:
-            self._held[work] = None
+            self._held[work] = self.loop.call_later(2 * self.timeout, self.locked, self._hang_timed_out, work)
 
     def _hang_timed_out(self, work: Work) -> None:
         assert self.timeout is not None
@@ -782,8 +839,8 @@ class World:
         if rdv is None:
             rdv = group.pending[seq] = Rendezvous(group, seq)
             sig = rdv.sig = call.signature()
-            if self.timeout is not None:
-                rdv.timer = self.loop.call_later(self.timeout, self._timed_out, rdv)
+            if self._deadlines is not None:
+                self._deadlines.add(rdv)
             if self.recorder is not None:
                 rdv.stamp = Stamp(group.name, group.index, seq, sig, group.size)
         else:
@@ -824,8 +881,6 @@ class World:
 
     def _complete(self, rdv: Rendezvous) -> None:
         del rdv.group.pending[rdv.seq]
-        if rdv.timer is not None:
-            rdv.timer.cancel()
         if rdv.stamp is not None:
             rdv.stamp.last = _now()
         if rdv.group.bridge is not None:
@@ -859,7 +914,11 @@ class World:
 
     def _execute(self, rdv: Rendezvous, op: Any) -> None:
         where = _device.placement(rdv.calls, self.inline_bytes)
-        if where is _device.Placement.INLINE:
+        if where is _device.Placement.INLINE or (
+            # a rank thread taking turns runs CPU ops itself: no rank runs meanwhile, and
+            # the loop it would spare is not in its way
+            where is _device.Placement.THREAD and self.lock is not None and not self.on_loop_thread()
+        ):
             try:
                 results = op.run(rdv.calls)
             except Exception as e:
@@ -869,6 +928,16 @@ class World:
             return
         self._busy = rdv.works
         self.in_flight += 1
+        if not self.on_loop_thread():  # a rank thread taking turns: streams are polled from the loop
+            self.call_soon_threadsafe(self._start_off_loop, rdv, op, where)
+        else:
+            self._start_off_loop(rdv, op, where)
+
+    def _start_off_loop(self, rdv: Rendezvous, op: Any, where: _device.Placement) -> None:
+        if self.aborted is not None:
+            self._busy = None
+            self.in_flight -= 1
+            return
         if where is _device.Placement.CUDA:
             fut = _device.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
             for w in rdv.works:
@@ -876,7 +945,7 @@ class World:
                     w._enqueued()
         else:
             fut = _device.run_in_worker(self.loop, op.run, rdv.calls)
-        fut.add_done_callback(functools.partial(self._ran, rdv))
+        fut.add_done_callback(functools.partial(self.locked, self._ran, rdv))
 
     def _ran(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
         """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
@@ -931,7 +1000,7 @@ class World:
         self._check_deadlock()
 
     def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
-        if self.rng is not None:
+        if self.rng is not None and self.turns is None:  # (ranks that take turns are shuffled by turns)
             self._resolve_shuffled(rdv.works, results)
         else:
             for w, res in zip(rdv.works, results, strict=True):
@@ -969,8 +1038,6 @@ class World:
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
-        if rdv.timer is not None:
-            rdv.timer.cancel()
         first: AiocollError | None = None
         for w in rdv.works:
             if w is not None:
@@ -1032,9 +1099,7 @@ class World:
 
     def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
         for w in (sw, rw):
-            t = self._p2p_timers.pop(w, None)
-            if t is not None:
-                t.cancel()
+            self._p2p_waiting.discard(w)
             if w._stamp is not None:
                 w._stamp.last = _now()  # both sides are here
         problem = check_transfer(sw._call, rw._call)
@@ -1081,11 +1146,24 @@ class World:
         self._check_deadlock()
 
     def _arm_p2p_timer(self, work: Work) -> None:
-        if self.timeout is not None:
-            self._p2p_timers[work] = self.loop.call_later(self.timeout, self._p2p_timed_out, work)
+        if self._deadlines is not None:
+            self._p2p_waiting.add(work)
+            self._deadlines.add(work)
+
+    def _still_pending(self, item: Rendezvous | Work) -> bool:
+        """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
+        if isinstance(item, Rendezvous):
+            return item.pending
+        return item in self._p2p_waiting
+
+    def _expired(self, item: Rendezvous | Work) -> None:
+        if isinstance(item, Rendezvous):
+            self._timed_out(item)
+        else:
+            self._p2p_timed_out(item)
 
     def _p2p_timed_out(self, work: Work) -> None:
-        self._p2p_timers.pop(work, None)
+        self._p2p_waiting.discard(work)
         if work.done():
             return
         call, g = work._call, work._group
@@ -1153,8 +1231,6 @@ class World:
             self.hybrid.aborted(msg, cause)  # tell the other processes, which wait for ours
         for g in self._all_groups():
             for rdv in list(g.pending.values()):
-                if rdv.timer is not None:
-                    rdv.timer.cancel()
                 for w in rdv.works:
                     if w is not None:
                         w._resolve(exc=self._aborted_error())
@@ -1177,9 +1253,9 @@ class World:
                     w._resolve(exc=self._aborted_error())
         self.in_flight -= len(self._queue)
         self._queue.clear()
-        for t in self._p2p_timers.values():
-            t.cancel()
-        self._p2p_timers.clear()
+        self._p2p_waiting.clear()
+        if self._deadlines is not None:
+            self._deadlines.clear()
         for w, timer in self._held.items():
             if timer is not None:
                 timer.cancel()
@@ -1189,7 +1265,12 @@ class World:
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by
         # one loop turn so the ranks just released above first see their error (a
         # cancel now would replace it) and may finish on their own.
-        self.loop.call_soon(self._cancel_running, msg, _CANCEL_AFTER_TURNS)
+        if self.turns is not None:
+            self.turns.free_all()  # no released rank waits for the turn of one that is busy
+        if self.on_loop_thread():
+            self.loop.call_soon(self._cancel_running, msg, _CANCEL_AFTER_TURNS)
+        else:  # a rank thread taking turns (whose world has no tasks to cancel; for uniformity)
+            self.call_soon_threadsafe(self._cancel_running, msg, _CANCEL_AFTER_TURNS)
 
     def _cancel_running(self, msg: str, turns: int = 0) -> None:
         if turns:

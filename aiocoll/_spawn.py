@@ -22,8 +22,10 @@ from ._comm import Comm
 from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
 from ._faults import Fault, FaultPlan
+from ._locals import RankLocals
 from ._output import prefixed_output
 from ._record import Recorder
+from ._turns import StallWatch, Turns
 
 __all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
 
@@ -36,6 +38,7 @@ DEFAULT_TIMEOUT = 300.0
 """Seconds a rank may wait in one collective before ``CollectiveTimeoutError``."""
 
 LoopChoice = Literal["auto", "asyncio", "uvloop"] | Callable[[], asyncio.AbstractEventLoop]
+SyncRanks = Literal["turns", "parallel"]
 
 
 @overload
@@ -52,6 +55,7 @@ def spawn(
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
     process_group: dist.ProcessGroup | None = ...,
+    sync_ranks: SyncRanks = ...,
 ) -> list[T]: ...
 
 
@@ -69,6 +73,7 @@ def spawn(
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
     process_group: dist.ProcessGroup | None = ...,
+    sync_ranks: SyncRanks = ...,
 ) -> list[T]: ...
 
 
@@ -85,6 +90,7 @@ def spawn(
     schedule_seed: int | None = None,
     prefix_output: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    sync_ranks: SyncRanks = "turns",
 ) -> list[Any]:
     """Run ``fn(comm)`` on ``world`` ranks of a new event loop; return their results in rank order.
 
@@ -110,6 +116,14 @@ def spawn(
     run and any-source receives match, to shake out order-dependent bugs.
     ``prefix_output`` prefixes what each rank prints or logs with ``[rank N]``.
 
+    ``sync_ranks`` (plain ``def fn`` only): ``"turns"`` (the default) runs one rank
+    thread at a time, handing over whenever a rank waits for a collective, so that each
+    rank has its own random generators (torch's, ``random``'s and NumPy's, as in its own
+    process), runs in an order that repeats (and that ``schedule_seed`` varies) and
+    deadlocks are reported at once. ``"parallel"`` lets the threads run at once, sharing
+    the generators: for code that makes ranks wait for each other outside
+    torch.distributed (a ``threading.Barrier``, a queue, a store's ``get``).
+
     ``process_group`` makes a *hybrid world* over a real torch.distributed group of M
     processes (each calls ``spawn`` alike): process p runs ranks ``p*world//M`` up to
     ``(p+1)*world//M - 1`` and gets their results; collectives among ranks of several
@@ -127,7 +141,7 @@ def spawn(
     >>> aiocoll.spawn(worker, world=4)
     [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
     """
-    _check(fn, world, timeout, record, schedule_seed)
+    _check(fn, world, timeout, record, schedule_seed, sync_ranks)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -154,6 +168,7 @@ def spawn(
                 schedule_seed=schedule_seed,
                 prefix_output=prefix_output,
                 process_group=process_group,
+                sync_ranks=sync_ranks,
             )
         )
 
@@ -171,6 +186,7 @@ async def spawn_async(
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
     process_group: dist.ProcessGroup | None = ...,
+    sync_ranks: SyncRanks = ...,
 ) -> list[T]: ...
 
 
@@ -187,6 +203,7 @@ async def spawn_async(
     schedule_seed: int | None = ...,
     prefix_output: bool = ...,
     process_group: dist.ProcessGroup | None = ...,
+    sync_ranks: SyncRanks = ...,
 ) -> list[T]: ...
 
 
@@ -202,6 +219,7 @@ async def spawn_async(
     schedule_seed: int | None = None,
     prefix_output: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    sync_ranks: SyncRanks = "turns",
 ) -> list[Any]:
     """The awaitable twin of ``spawn``: runs the ranks on the running loop.
 
@@ -218,7 +236,7 @@ async def spawn_async(
     >>> asyncio.run(main())
     [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
     """
-    _check(fn, world, timeout, record, schedule_seed)
+    _check(fn, world, timeout, record, schedule_seed, sync_ranks)
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -257,6 +275,11 @@ async def spawn_async(
     if schedule_seed is not None:
         w.rng = random.Random(schedule_seed)
         w.rng.shuffle(order)  # which rank starts first, too
+    rank_locals: RankLocals | None = None
+    if sync_ranks == "turns" and hybrid is None and not _is_async(fn):
+        # (a hybrid world's bridge runs on the loop: its sync ranks run in parallel)
+        rank_locals = RankLocals(world)
+        w.take_turns(Turns(world, w.rng, rank_locals.switch))
     sessions: list[_c10d.RankSession | None] = [None] * world
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -268,6 +291,7 @@ async def spawn_async(
     output.__enter__()
     failures: list[tuple[int, BaseException]] = []
     threads: list[threading.Thread] = []
+    watch: StallWatch | None = None
     try:
         runners: list[asyncio.Future[Any]]
         if _is_async(fn):
@@ -281,13 +305,18 @@ async def spawn_async(
             runners = [by_rank[st.rank] for st in local]
         else:
             sfn = fn
-            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads) for st in local]
+            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads, rank_locals) for st in local]
         for st, r in zip(local, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.
             st.task = r if isinstance(r, asyncio.Task) else None
             st.enter()
-            r.add_done_callback(st._task_done)
+            if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
+                r.add_done_callback(st._task_done)
+        if w.turns is not None:
+            w.turns.start(st.rank for st in order)
+            watch = StallWatch(w.turns, loop)
+            watch.start()
         try:
             await asyncio.wait(runners)
             # tasks a rank created and left running would outlive the world
@@ -299,7 +328,7 @@ async def spawn_async(
             # rank down with us and wait for them, so nothing outlives the call.
             # Threads cannot be cancelled: the abort fails their next collective, and
             # we wait for them to return.
-            w.abort(None, asyncio.CancelledError("spawn was cancelled"))
+            w.locked(w.abort, None, asyncio.CancelledError("spawn was cancelled"))
             pending = [*runners, *w.cancel_tasks("spawn was cancelled")]
             while pending:
                 # An anyio cancel scope cancels us again on every loop turn: keep waiting,
@@ -315,6 +344,8 @@ async def spawn_async(
         if hybrid is not None:
             await hybrid.say_goodbye(min(timeout or 5.0, 5.0))
     finally:
+        if watch is not None:
+            watch.stop()
         undo()
         output.__exit__(None, None, None)
         if torch_distributed:
@@ -322,13 +353,27 @@ async def spawn_async(
                 assert session is not None
                 session.finish()
             _c10d.uninstall()
+        if rank_locals is not None:
+            rank_locals.close()
         if trace is not None and w.recorder is not None:
             w.recorder.write_trace(trace)
         if hybrid is not None:
             hybrid.close()
     _retrieve(runners)
+    detached = [] if w.turns is None else w.turns.detached
     if failures:
-        raise _report(w, failures)
+        exc = _report(w, failures)
+        for line in detached:
+            exc.add_note(f"aiocoll: {line}")
+        raise exc
+    if detached:
+        warnings.warn(
+            "aiocoll: sync ranks take turns, and a rank waited for another outside torch.distributed:\n"
+            + "\n".join(f"  {line}" for line in detached)
+            + "\nUse spawn(..., sync_ranks='parallel') for code whose ranks wait for each other this way.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     warn_unmatched(w.pending_works(), "the world", stacklevel=2)
     return [r.result() for r in runners]
 
@@ -402,20 +447,32 @@ def _start_thread(
     session: _c10d.RankSession | None,
     failures: list[tuple[int, BaseException]],
     threads: list[threading.Thread],
+    rank_locals: RankLocals | None,
 ) -> asyncio.Future[T]:
     """Run a sync rank in its own thread; the returned future completes when it ends."""
     fut: asyncio.Future[T] = w.loop.create_future()
+    turns = w.turns
 
-    def done(ok: bool, value: Any) -> None:
+    def settle(ok: bool, value: Any) -> None:
         if ok:
             st.phase = Phase.RETURNED
-            fut.set_result(value)
         else:
             _failed(w, st, value, failures)
+
+    def done(ok: bool, value: Any) -> None:
+        if turns is None:
+            settle(ok, value)
+        if ok:
+            fut.set_result(value)
+        else:
             fut.set_exception(value)
 
     def main() -> None:
         rank_var().set(st)
+        if turns is not None:
+            assert rank_locals is not None
+            rank_locals.bind(st.rank)
+            turns.begin(st.rank)
         ok, value = False, cast(Any, None)
         # as torch's threaded process group does: autograd must not hand work to its
         # own device threads from a rank thread
@@ -430,6 +487,14 @@ def _start_thread(
                         session.finish()
             except BaseException as e:
                 ok, value = False, e
+        if turns is not None:
+            # settled now, in turn order: a failure aborts the world before another rank runs
+            assert w.lock is not None
+            with w.lock:
+                settle(ok, value)
+                st.leave()
+            RankLocals.unbind()
+            turns.end(st.rank)
         w.call_soon_threadsafe(done, ok, value)  # the thread's last act
 
     # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
@@ -502,7 +567,11 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
     return exc
 
 
-def _check(fn: object, world: object, timeout: object, record: object = 0, seed: object = None) -> None:
+def _check(
+    fn: object, world: object, timeout: object, record: object = 0, seed: object = None, sync_ranks: object = "turns"
+) -> None:
+    if sync_ranks not in ("turns", "parallel"):
+        raise InvalidArgumentError(f"spawn: argument 'sync_ranks' must be 'turns' or 'parallel', got {sync_ranks!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidArgumentError(f"spawn: argument 'schedule_seed' must be an int or None, got {seed!r}")
     if not isinstance(record, int) or isinstance(record, bool) or record < 0:

@@ -277,8 +277,23 @@ def test_busy_sync_rank_times_out() -> None:
             return
         dist.barrier()
 
+    # ranks that run at once: rank 1 waits in barrier while rank 0 sleeps
     with pytest.raises(aiocoll.CollectiveTimeoutError, match=r"ranks \[1\] arrived, ranks \[0\] did not"):
-        aiocoll.spawn(fn, world=2, timeout=0.2)
+        aiocoll.spawn(fn, world=2, timeout=0.2, sync_ranks="parallel")
+
+
+def test_busy_sync_rank_taking_turns_is_seen_to_leave() -> None:
+    def fn(comm: Comm) -> None:
+        if dist.get_rank() == 0:
+            time.sleep(0.3)  # holds the turn: rank 1 reaches barrier only once rank 0 has returned
+            return
+        dist.barrier()
+
+    start = time.perf_counter()
+    with pytest.raises(aiocoll.DeadlockError, match=r"rank 0: returned") as info:
+        aiocoll.spawn(fn, world=2, timeout=60)
+    assert time.perf_counter() - start < 10  # at once, not at the timeout
+    assert "rank 1: blocked in barrier()" in str(info.value)
 
 
 def test_group_of_another_rank_is_refused() -> None:
@@ -293,7 +308,8 @@ def test_group_of_another_rank_is_refused() -> None:
                 groups[0].allreduce([torch.ones(1)])
         return "ok"
 
-    assert aiocoll.spawn(fn, world=2) == ["ok", "ok"]
+    # (the ranks wait for each other on a threading.Barrier: they must run at once)
+    assert aiocoll.spawn(fn, world=2, sync_ranks="parallel") == ["ok", "ok"]
 
 
 # -- async ranks ---------------------------------------------------------------------

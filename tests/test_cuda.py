@@ -433,7 +433,10 @@ def test_sync_wait_returns_once_enqueued_and_orders_the_callers_stream(on_fake_c
         return early, t.tolist()
 
     try:
-        out = aiocoll.spawn(worker, world=2, torch_distributed=False)
+        # ranks take turns: rank 0 waits in the barrier holding its turn until the stall
+        # watch lets rank 1 go on, and spawn says so
+        with pytest.warns(RuntimeWarning, match=r"rank 0 waited in threading\.Barrier\.wait at .*test_cuda\.py"):
+            out = aiocoll.spawn(worker, world=2, torch_distributed=False)
     finally:
         backstop.cancel()
     assert out == [(True, [3.0, 3.0])] * 2

@@ -1,0 +1,253 @@
+"""What each sync rank has of its own that Python and torch keep process-wide: random generators.
+
+In W processes every rank has its own torch generators, Python ``random`` and NumPy
+global generator. Rank threads of one process share them, so "seed, then build the model"
+builds a different model on each rank whenever the threads interleave. Sync ranks take
+turns (see ``_turns``), and this module gives each its own generators:
+
+- torch's CPU generator (and each CUDA device's, once CUDA is initialised) cannot be
+  made per thread: the rank that takes its turn swaps its state in (under a microsecond
+  each way; only when another rank ran meanwhile);
+- Python's ``random`` and NumPy's global ``RandomState`` are reached through module
+  functions (``random.random``, ``np.random.seed``...): while a world with per-rank
+  generators runs, those functions are replaced by ones that draw from the calling
+  rank's own instance (saving and restoring their states at each turn would cost 10 and
+  60 us). Code outside any rank still reaches the process's instances.
+
+Every rank starts with a copy of the states of the thread that called ``spawn`` (as a
+forked process would); that thread gets its own states back when the world ends.
+
+>>> import random, torch, aiocoll
+>>> def worker(comm):
+...     torch.manual_seed(0)
+...     random.seed(comm.rank)
+...     return torch.randn(3).tolist(), random.random()
+>>> out = aiocoll.spawn(worker, world=4)
+>>> all(t == out[0][0] for t, _ in out), [r for _, r in out] == [random.Random(r).random() for r in range(4)]
+(True, True)
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["RankLocals"]
+
+
+def _cuda_generators() -> list[torch.Generator]:
+    """Each CUDA device's default generator, once CUDA is initialised (never initialises it)."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return []
+    return list(torch.cuda.default_generators)
+
+
+class _TorchStates:
+    """torch's process-wide generators, one saved state per rank; the current owner's are loaded."""
+
+    __slots__ = ("_cpu", "_cuda", "_fresh_cuda", "_size")
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        cpu = torch.default_generator.get_state()
+        cuda = [g.get_state() for g in _cuda_generators()]
+        self._cpu = [cpu.clone() for _ in range(size)]
+        self._cuda: list[list[torch.Tensor] | None] = [[s.clone() for s in cuda] for _ in range(size)]
+        self._fresh_cuda: list[torch.Tensor] | None = None
+
+    def save(self, rank: int) -> None:
+        self._cpu[rank] = torch.default_generator.get_state()
+        gens = _cuda_generators()
+        if gens:
+            self._cuda[rank] = [g.get_state() for g in gens]
+
+    def load(self, rank: int) -> None:
+        torch.default_generator.set_state(self._cpu[rank])
+        gens = _cuda_generators()
+        if gens:
+            states = self._cuda[rank]
+            if not states or len(states) != len(gens):
+                # CUDA was initialised after this rank last ran: it starts as a new
+                # process would, at torch's default seed
+                states = self._fresh(gens)
+            for g, s in zip(gens, states, strict=True):
+                g.set_state(s)
+
+    def _fresh(self, gens: list[torch.Generator]) -> list[torch.Tensor]:
+        if self._fresh_cuda is None or len(self._fresh_cuda) != len(gens):
+            self._fresh_cuda = [torch.Generator(device=g.device).get_state() for g in gens]
+        return self._fresh_cuda
+
+
+# -- module-level random functions that draw from the calling rank's own instance ----------
+
+
+def _bound_to(module: ModuleType, instance: object) -> list[str]:
+    """The names of ``module``'s functions that are methods bound to ``instance``."""
+    return [n for n, v in vars(module).items() if getattr(v, "__self__", None) is instance]
+
+
+class _Dispatch:
+    """Replaces a module's functions bound to its global instance by per-rank dispatchers.
+
+    Counted: the first world that needs it installs it, the last one to end removes it.
+    """
+
+    def __init__(self, module: ModuleType, instance: object, extra: dict[str, str], key: str) -> None:
+        self.module = module
+        self.instance = instance
+        self.key = key  # which instance of a RankLocals this dispatch reads
+        # functions that are not bound methods but reach the global instance inside
+        # (numpy's seed) dispatch to the method of the same role
+        self.names = {n: n for n in _bound_to(module, instance)} | extra
+        self.saved: dict[str, Any] = {}
+        self.count = 0
+
+    def install(self) -> None:
+        self.count += 1
+        if self.count > 1:
+            return
+        for name, method in self.names.items():
+            self.saved[name] = getattr(self.module, name)
+            setattr(self.module, name, self._dispatcher(name, method))
+
+    def uninstall(self) -> None:
+        self.count -= 1
+        if self.count:
+            return
+        for name, fn in self.saved.items():
+            setattr(self.module, name, fn)
+        self.saved.clear()
+
+    def _dispatcher(self, name: str, method: str) -> Callable[..., Any]:
+        fallback = self.saved[name]
+        key = self.key
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            bound: tuple[RankLocals, int] | None = getattr(_bound, "rank", None)
+            if bound is None:  # not a rank thread of a world with per-rank generators
+                return fallback(*args, **kwargs)
+            instances = getattr(bound[0], key)
+            if not instances:  # numpy imported since the rank last took its turn
+                return fallback(*args, **kwargs)
+            return getattr(instances[bound[1]], method)(*args, **kwargs)
+
+        dispatch.__name__ = dispatch.__qualname__ = name
+        dispatch.__doc__ = getattr(fallback, "__doc__", None)
+        dispatch.__wrapped__ = fallback  # type: ignore[attr-defined]
+        return dispatch
+
+
+# which (RankLocals, rank) the calling thread runs, set by bind() in each rank thread
+_bound = threading.local()
+_dispatch_lock = threading.Lock()
+_python_dispatch = _Dispatch(random, random._inst, {}, "python")
+_numpy_dispatch: _Dispatch | None = None  # made when numpy is first seen imported
+
+
+def _numpy_random() -> ModuleType | None:
+    """``numpy.random`` if numpy is imported (aiocoll never imports it)."""
+    return sys.modules.get("numpy.random")
+
+
+class RankLocals:
+    """The random generators of a world's sync ranks; swapped in as ranks take turns.
+
+    Made on the thread that calls ``spawn``, whose states every rank starts from. Only
+    the rank that holds the turn calls ``switch``; ``close`` gives the caller its states
+    back.
+    """
+
+    __slots__ = (
+        "_caller",
+        "_caller_cuda",
+        "_closed",
+        "_loaded",
+        "_numpy_installed",
+        "_torch",
+        "numpy",
+        "python",
+        "size",
+    )
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._caller = torch.default_generator.get_state()
+        self._caller_cuda = [g.get_state() for g in _cuda_generators()]
+        self._torch = _TorchStates(size)
+        self._loaded: int | None = None  # whose torch states the generators hold now
+        state = random.getstate()
+        self.python: list[random.Random] = []
+        for _ in range(size):
+            r = random.Random()
+            r.setstate(state)
+            self.python.append(r)
+        self.numpy: list[Any] = []
+        self._numpy_installed = False
+        self._closed = False
+        with _dispatch_lock:
+            _python_dispatch.install()
+        self._track_numpy()
+
+    def _track_numpy(self) -> None:
+        """Give each rank its own NumPy global generator, once numpy is imported."""
+        global _numpy_dispatch
+        nr = _numpy_random()
+        if nr is None or self._numpy_installed:
+            return
+        glob = nr.mtrand._rand
+        state = glob.get_state()
+        for _ in range(self.size):
+            rs = nr.RandomState()
+            rs.set_state(state)
+            self.numpy.append(rs)
+        with _dispatch_lock:
+            if _numpy_dispatch is None:
+                extra = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
+                extra = {k: v for k, v in extra.items() if hasattr(nr, k)}
+                _numpy_dispatch = _Dispatch(nr, glob, extra, "numpy")
+            _numpy_dispatch.install()
+        self._numpy_installed = True
+
+    def bind(self, rank: int) -> None:
+        """In rank ``rank``'s thread, before its code runs: module functions draw from its instances."""
+        _bound.rank = (self, rank)
+
+    @staticmethod
+    def unbind() -> None:
+        """In a rank thread, as it ends."""
+        _bound.rank = None
+
+    def switch(self, rank: int) -> None:
+        """Rank ``rank`` takes its turn: load its generator states (after saving the last owner's)."""
+        if self._loaded != rank:
+            if self._loaded is not None:
+                self._torch.save(self._loaded)
+            self._torch.load(rank)
+            self._loaded = rank
+        if not self._numpy_installed and "numpy.random" in sys.modules:
+            self._track_numpy()
+
+    def close(self) -> None:
+        """The world ended: the calling thread gets its states back; the module functions too."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.default_generator.set_state(self._caller)
+        gens = _cuda_generators()
+        if self._caller_cuda and len(gens) == len(self._caller_cuda):
+            for g, st in zip(gens, self._caller_cuda, strict=True):
+                g.set_state(st)
+        with _dispatch_lock:
+            _python_dispatch.uninstall()
+            if self._numpy_installed and _numpy_dispatch is not None:
+                _numpy_dispatch.uninstall()
+
+    def __repr__(self) -> str:
+        return f"<RankLocals size={self.size} loaded={self._loaded} numpy={self._numpy_installed}>"

@@ -1,0 +1,249 @@
+"""Sync ranks taking turns: each rank's own random generators, repeatable and seeded
+interleavings, deadlocks reported at once, and what happens to code that makes ranks wait
+for each other outside torch.distributed."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import aiocoll
+from aiocoll import Comm
+from aiocoll._turns import TurnEvent, Turns
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
+
+
+def _seeded_model() -> nn.Sequential:
+    torch.manual_seed(0)  # "seed, then build the model": the pattern of code written for torchrun
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _train(model: nn.Module) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdp2_after_seeding_matches_one_process_every_time() -> None:
+    reference = _train(_seeded_model())
+
+    def fn(comm: Comm) -> list[float]:
+        model = _seeded_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+        return _train(model)
+
+    for _ in range(20):
+        out = aiocoll.spawn(fn, world=4)
+        for losses in out:
+            assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+def test_each_rank_has_its_own_generators() -> None:
+    def fn(comm: Comm) -> tuple[list[float], list[float], float, float]:
+        torch.manual_seed(comm.rank)
+        random.seed(comm.rank)
+        np.random.seed(comm.rank)
+        a = torch.randn(3).tolist()
+        dist.barrier()  # the other ranks draw meanwhile
+        b = torch.rand(2).tolist()
+        return a + b, [random.random(), random.random()], float(np.random.rand()), torch.initial_seed()
+
+    out = aiocoll.spawn(fn, world=4)
+    for r, (t, py, npy, seed) in enumerate(out):
+        torch.manual_seed(r)
+        assert t == torch.randn(3).tolist() + torch.rand(2).tolist()
+        rr = random.Random(r)
+        assert py == [rr.random(), rr.random()]
+        assert npy == float(np.random.RandomState(r).rand())
+        assert seed == r
+
+
+def test_ranks_start_from_the_callers_states_and_leave_them_alone() -> None:
+    torch.manual_seed(123)
+    random.seed(5)
+    expected = torch.randn(2).tolist()
+    torch.manual_seed(123)
+
+    def fn(comm: Comm) -> list[float]:
+        random.random()  # each rank's own instance
+        return torch.randn(2).tolist()
+
+    assert aiocoll.spawn(fn, world=3) == [expected] * 3
+    # the caller's generators are as it left them: not advanced by the ranks' draws
+    assert torch.randn(2).tolist() == expected
+    assert random.random() == random.Random(5).random()
+
+
+def test_parallel_ranks_share_the_generators() -> None:
+    seen: list[bool] = []
+
+    def fn(comm: Comm) -> int:
+        # the module functions are Python's own unless a world takes turns
+        seen.append(hasattr(random.random, "__wrapped__"))
+        return 0
+
+    aiocoll.spawn(fn, world=2, sync_ranks="parallel")
+    assert seen == [False, False]
+    aiocoll.spawn(fn, world=2)
+    assert seen[2:] == [True, True]
+    assert not hasattr(random.random, "__wrapped__")  # removed when the world ended
+
+
+def _interleaving(comm: Comm) -> list[int]:
+    """The order in which the ranks got past each of three barriers, as seen by a shared list."""
+    order.append(comm.rank)
+    for _ in range(3):
+        dist.barrier()
+        order.append(comm.rank)
+    return []
+
+
+order: list[int] = []
+
+
+def _run_order(**kw: Any) -> list[int]:
+    order.clear()
+    aiocoll.spawn(_interleaving, world=4, **kw)
+    return list(order)
+
+
+def test_turns_repeat_and_seeds_vary_them() -> None:
+    plain = _run_order()
+    # the rank that completes a barrier goes on; the others follow in rank order
+    assert plain == [0, 1, 2, 3, 3, 0, 1, 2, 2, 0, 1, 3, 3, 0, 1, 2]
+    assert all(_run_order() == plain for _ in range(5))
+    seeded = {s: _run_order(schedule_seed=s) for s in range(8)}
+    for s, o in seeded.items():
+        assert _run_order(schedule_seed=s) == o  # the same seed replays the same interleaving
+        assert sorted(o) == sorted(plain)
+    assert len({tuple(o) for o in seeded.values()}) > 4  # and seeds differ
+
+
+def test_find_failing_seed_finds_a_thread_race() -> None:
+    shared: list[int] = []
+
+    def racy(comm: Comm) -> None:
+        if comm.rank == 0:
+            shared.clear()
+        dist.barrier()
+        shared.append(comm.rank)
+        dist.barrier()
+        # assumes that the rank that arrived last (rank 2) gets past a barrier first
+        assert shared[0] == 2, f"rank {shared[0]} came first"
+
+    aiocoll.spawn(racy, world=3)  # holds in rank order
+    found = aiocoll.find_failing_seed(racy, world=3, seeds=range(50))
+    assert found is not None
+    assert isinstance(found.error, AssertionError)
+    for _ in range(3):
+        with pytest.raises(AssertionError) as info:
+            aiocoll.spawn(racy, world=3, schedule_seed=found.seed)
+        assert str(info.value).splitlines()[0] == str(found.error).splitlines()[0]
+
+
+def test_sync_deadlock_is_reported_at_once() -> None:
+    def fn(comm: Comm) -> None:
+        t = torch.zeros(1)
+        dist.recv(t, src=1 - comm.rank)  # each waits for the other's send
+
+    start = time.perf_counter()
+    with pytest.raises(aiocoll.DeadlockError, match="every live rank waits") as info:
+        aiocoll.spawn(fn, world=2, timeout=60)
+    assert time.perf_counter() - start < 5
+    text = str(info.value)
+    assert "rank 0: blocked in recv" in text
+    assert "rank 1: blocked in recv" in text
+
+
+def test_a_rank_waiting_on_a_threading_barrier_does_not_hang_the_world() -> None:
+    barrier = threading.Barrier(2, timeout=30)
+
+    def fn(comm: Comm) -> int:
+        barrier.wait()  # rank 0 waits here holding its turn until the stall watch lets rank 1 on
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    with pytest.warns(RuntimeWarning, match=r"rank 0 waited in threading\.Barrier\.wait at .*test_turns\.py"):
+        assert aiocoll.spawn(fn, world=2) == [2, 2]
+    assert aiocoll.spawn(fn, world=2, sync_ranks="parallel") == [2, 2]
+
+
+def test_an_abort_frees_ranks_from_a_rank_busy_with_the_turn() -> None:
+    def fn(comm: Comm) -> None:
+        if comm.rank == 0:
+            raise ValueError("rank 0 broke")
+        if comm.rank == 1:
+            time.sleep(0.3)  # still busy, holding the turn, when rank 2 learns of the abort
+            return
+        dist.barrier()
+
+    with pytest.raises(ValueError, match="rank 0 broke"):
+        aiocoll.spawn(fn, world=3, timeout=60)
+
+
+def test_get_future_waits_for_the_work_giving_the_turn_away() -> None:
+    def fn(comm: Comm) -> float:
+        t = torch.ones(1) * (comm.rank + 1)
+        fut = dist.all_reduce(t, async_op=True).get_future()  # type: ignore[union-attr]
+        return float(fut.wait()[0].item())  # a C++-style wait on the future itself
+
+    assert aiocoll.spawn(fn, world=3) == [6.0, 6.0, 6.0]
+
+
+def test_sync_ranks_is_checked() -> None:
+    with pytest.raises(aiocoll.InvalidArgumentError, match="'sync_ranks' must be 'turns' or 'parallel'"):
+        aiocoll.spawn(lambda comm: None, world=2, sync_ranks="threads")  # type: ignore[call-overload]
+
+
+# -- the scheduler itself, without spawn ---------------------------------------------------
+
+
+def test_turns_hand_over_in_order_and_time_out() -> None:
+    turned: list[int] = []
+    turns = Turns(2, None, turned.append)
+    events = [turns.event(r) for r in range(2)]
+    log: list[str] = []
+
+    def rank(r: int) -> None:
+        turns.begin(r)
+        log.append(f"{r} runs")
+        if r == 0:
+            assert not events[0].wait(0.05)  # timed out: rank 1 ran meanwhile, and rank 0 has the turn back
+            log.append("0 timed out")
+            events[1].set()
+        else:
+            events[1].wait()
+            log.append("1 woke")
+        turns.end(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    turns.start([0, 1])
+    for t in threads:
+        t.join(10)
+    assert log == ["0 runs", "1 runs", "0 timed out", "1 woke"]
+    assert turned == [0, 1, 0, 1]
+    assert turns.holder is None
+    assert isinstance(events[0], TurnEvent)
+    assert "rank=0" in repr(events[0])
+    assert "holder=None" in repr(turns)
