@@ -53,6 +53,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,12 +84,14 @@ import aiocoll
 PG = "threaded PG"
 BARE_ASYNC = "bare asyncio"
 BARE_THREADS = "bare threads"
+BARE_TURNS = "bare turns"
 DIST = "W*dist overhead"
 FLOOR = "floor"
 ASYNC = "aiocoll async"
 SYNC = "aiocoll sync"
-SYSTEMS = (PG, BARE_ASYNC, BARE_THREADS, DIST, FLOOR, ASYNC, SYNC)  # the order they take turns in, and columns
-THREAD_SYSTEMS = (PG, BARE_THREADS, SYNC)  # one OS thread per rank: capped at --max-thread-world
+# the order they take turns in, and columns
+SYSTEMS = (PG, BARE_ASYNC, BARE_THREADS, BARE_TURNS, DIST, FLOOR, ASYNC, SYNC)
+THREAD_SYSTEMS = (PG, BARE_THREADS, BARE_TURNS, SYNC)  # one OS thread per rank: capped at --max-thread-world
 
 # Rank-operations (iterations x W) per measurement, by system: roughly the same wall time at every W, ~0.3-4 s
 # per sample here. Per rank and op (a trial run), the bare asyncio ranks and the floor cost ~1.5-2.5 us, one
@@ -98,6 +101,7 @@ RANK_OPS = {
     PG: 32_000,
     BARE_ASYNC: 160_000,
     BARE_THREADS: 48_000,
+    BARE_TURNS: 48_000,
     DIST: 160_000,
     FLOOR: 160_000,
     ASYNC: 80_000,
@@ -116,6 +120,7 @@ JOIN_TIMEOUT = 300.0  # seconds to wait for the bare threads before declaring th
 RATIOS = (  # column name, numerator, denominator (ratios of medians)
     ("PG/bare-async", PG, BARE_ASYNC),
     ("PG/bare-threads", PG, BARE_THREADS),
+    ("PG/bare-turns", PG, BARE_TURNS),
     ("PG/aiocoll-async", PG, ASYNC),
     ("PG/aiocoll-sync", PG, SYNC),
     ("PG/W*dist", PG, DIST),
@@ -264,6 +269,75 @@ def bare_threads_op(world: int, iters: int) -> float:
         rank, exc = errors[0]
         raise Unavailable(f"failed on rank {rank} of {world}: {type(exc).__name__}: {exc}")
     if any(th.is_alive() for th in threads):  # daemon threads: they die with the process
+        raise Unavailable(f"threads still running after {JOIN_TIMEOUT:.0f}s")
+    return elapsed[0] / iters
+
+
+# -- bare turns ------------------------------------------------------------------------------------------
+
+
+def bare_turns_op(world: int, iters: int) -> float:
+    """Seconds per op of W threads that take turns (aiocoll's sync ranks' design), as seen by rank 0.
+
+    One thread runs at a time. An arriving rank appends its tensor; unless it is the last, it hands the turn
+    to the next ready rank (releases that rank's lock) and sleeps on its own. The last arrival runs the torch
+    op, makes every other rank ready, and goes on: one hand-over per rank and op, no lock around the lists
+    (only the thread holding the turn touches them) and no GIL contention.
+    """
+    warmup = warmup_for(iters)
+    wake = [threading.Lock() for _ in range(world)]
+    for lock in wake:
+        lock.acquire()
+    ts: list[torch.Tensor] = []
+    waiting: list[int] = []
+    ready: deque[int] = deque()
+    elapsed: dict[int, float] = {}
+    errors: list[tuple[int, BaseException]] = []
+
+    def pass_turn() -> None:
+        if ready:
+            wake[ready.popleft()].release()
+
+    def arrive(rank: int, t: torch.Tensor) -> None:
+        nonlocal ts
+        ts.append(t)
+        if len(ts) == world:
+            s = torch.stack(ts).sum(0)
+            torch._foreach_copy_(ts, [s] * world)
+            ts = []
+            ready.extend(waiting)
+            waiting.clear()
+            return
+        waiting.append(rank)
+        pass_turn()
+        wake[rank].acquire()
+
+    def worker(rank: int) -> None:
+        if rank:
+            wake[rank].acquire()  # the first turn (rank 0 starts with it)
+        t = torch.ones(1)
+        try:
+            arrive(rank, t)
+            check_sum(BARE_TURNS, rank, t, world)
+            t.zero_()
+            for _ in range(warmup):
+                arrive(rank, t)
+            start = time.perf_counter()
+            for _ in range(iters):
+                arrive(rank, t)
+            elapsed[rank] = time.perf_counter() - start
+        except BaseException as e:  # the others would wait for it forever: the run is lost either way
+            errors.append((rank, e))
+        pass_turn()  # ended: the next ready rank runs
+
+    ready.extend(range(1, world))
+    threads: list[threading.Thread] = []
+    # (if a thread cannot be started, those waiting for their turn are daemons: they die with the process)
+    start_and_join(threads, world, worker, "turns rank", lambda: None, JOIN_TIMEOUT)
+    if errors:
+        rank, exc = errors[0]
+        raise Unavailable(f"failed on rank {rank} of {world}: {type(exc).__name__}: {exc}")
+    if any(th.is_alive() for th in threads):
         raise Unavailable(f"threads still running after {JOIN_TIMEOUT:.0f}s")
     return elapsed[0] / iters
 
@@ -488,6 +562,7 @@ def measure_one(system: str, world: int, cell: Cell, plan: Plan) -> float:
     ops: dict[str, Callable[[int, int], float]] = {
         PG: threaded_pg_op,
         BARE_THREADS: bare_threads_op,
+        BARE_TURNS: bare_turns_op,
         DIST: dist_overhead_op,
         ASYNC: aiocoll_async_op,
         SYNC: aiocoll_sync_op,

@@ -173,6 +173,7 @@ CEILING_SYSTEMS = [
     "threaded PG",
     "bare asyncio",
     "bare threads",
+    "bare turns",
     "W*dist overhead",
     "floor",
     "aiocoll async",
@@ -181,6 +182,7 @@ CEILING_SYSTEMS = [
 CEILING_RATIOS = [
     "PG/bare-async",
     "PG/bare-threads",
+    "PG/bare-turns",
     "PG/aiocoll-async",
     "PG/aiocoll-sync",
     "PG/W*dist",
