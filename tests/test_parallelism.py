@@ -4,8 +4,9 @@ Tensor parallel, FSDP2 (``fully_shard``), 2-D FSDP x TP, ``torch.distributed.pip
 and distributed checkpoint run as written for torchrun; every rank's result must equal
 what the same model computes in a single process.
 
-The models are initialised from generators of their own: rank threads share torch's
-global generator, so ``torch.manual_seed`` in each rank would race.
+The models are initialised from generators of their own, so each test checks one library
+at a time (seeding torch's generator in every rank, then building the model, is checked in
+``test_turns``).
 """
 
 from __future__ import annotations
