@@ -31,6 +31,8 @@ from typing import Any
 
 __all__ = ["Deadlines"]
 
+_COMPACT_MIN = 64  # entries before the first compaction
+
 
 class Deadlines:
     """Calls ``expire(item)`` once ``timeout`` seconds after ``add(item)`` if ``pending(item)`` still holds.
@@ -39,7 +41,7 @@ class Deadlines:
     when rank threads run the engine too).
     """
 
-    __slots__ = ("_armed", "_entries", "_expire", "_loop", "_loop_thread", "_pending", "_run", "timeout")
+    __slots__ = ("_armed", "_compact_at", "_entries", "_expire", "_loop", "_loop_thread", "_pending", "_run", "timeout")
 
     def __init__(
         self,
@@ -57,12 +59,18 @@ class Deadlines:
         self._run = run
         self._entries: deque[tuple[float, Any]] = deque()
         self._armed = False
+        self._compact_at = _COMPACT_MIN
 
     def add(self, item: Any) -> None:
         """``item`` times out ``timeout`` seconds from now unless it completes first."""
         entries = self._entries
         while entries and not self._pending(entries[0][1]):
             entries.popleft()  # completed: keep the queue as short as what is pending
+        if len(entries) >= self._compact_at:
+            # an operation long pending at the head keeps completed ones (and their
+            # tensors) behind it: drop those, so the queue stays within twice what is pending
+            self._entries = entries = deque(e for e in entries if self._pending(e[1]))
+            self._compact_at = max(_COMPACT_MIN, 2 * len(entries))
         entries.append((time.monotonic() + self.timeout, item))
         if not self._armed:
             self._armed = True

@@ -55,14 +55,19 @@ class _TorchStates:
 
     def __init__(self, size: int) -> None:
         self._size = size
-        cpu = torch.default_generator.get_state()
-        cuda = [g.get_state() for g in _cuda_generators()]
-        self._cpu = [cpu.clone() for _ in range(size)]
-        self._cuda: list[list[torch.Tensor] | None] = [[s.clone() for s in cuda] for _ in range(size)]
+        # normal tensors even if spawn is called under inference_mode: save() updates them in place
+        with torch.inference_mode(False):
+            cpu = torch.default_generator.get_state()
+            cuda = [g.get_state() for g in _cuda_generators()]
+            self._cpu = [cpu.clone() for _ in range(size)]
+            self._cuda: list[list[torch.Tensor] | None] = [[s.clone() for s in cuda] for _ in range(size)]
         self._fresh_cuda: list[torch.Tensor] | None = None
 
     def save(self, rank: int) -> None:
-        self._cpu[rank] = torch.default_generator.get_state()
+        # into the rank's buffer, made once on the spawning thread: a state kept from each
+        # rank thread would pin memory in that thread's malloc arena (+50 MB at W=1024)
+        with torch.inference_mode(False):  # (a rank may hand over inside inference_mode)
+            self._cpu[rank].copy_(torch.default_generator.get_state())
         gens = _cuda_generators()
         if gens:
             self._cuda[rank] = [g.get_state() for g in gens]
@@ -136,7 +141,10 @@ class _Dispatch:
             instances = getattr(bound[0], key)
             if not instances:  # numpy imported since the rank last took its turn
                 return fallback(*args, **kwargs)
-            return getattr(instances[bound[1]], method)(*args, **kwargs)
+            inst = instances[bound[1]]
+            if inst is None:  # made on the rank's first use: a world starts without W of them
+                inst = bound[0].make(key, bound[1])
+            return getattr(inst, method)(*args, **kwargs)
 
         dispatch.__name__ = dispatch.__qualname__ = name
         dispatch.__doc__ = getattr(fallback, "__doc__", None)
@@ -168,6 +176,7 @@ class RankLocals:
         "_caller",
         "_caller_cuda",
         "_closed",
+        "_initial",
         "_loaded",
         "_numpy_installed",
         "_torch",
@@ -182,12 +191,9 @@ class RankLocals:
         self._caller_cuda = [g.get_state() for g in _cuda_generators()]
         self._torch = _TorchStates(size)
         self._loaded: int | None = None  # whose torch states the generators hold now
-        state = random.getstate()
-        self.python: list[random.Random] = []
-        for _ in range(size):
-            r = random.Random()
-            r.setstate(state)
-            self.python.append(r)
+        # each rank's instances start from these states, made on its first draw
+        self._initial: dict[str, Any] = {"python": random.getstate()}
+        self.python: list[random.Random | None] = [None] * size
         self.numpy: list[Any] = []
         self._numpy_installed = False
         self._closed = False
@@ -202,11 +208,8 @@ class RankLocals:
         if nr is None or self._numpy_installed:
             return
         glob = nr.mtrand._rand
-        state = glob.get_state()
-        for _ in range(self.size):
-            rs = nr.RandomState()
-            rs.set_state(state)
-            self.numpy.append(rs)
+        self._initial["numpy"] = glob.get_state()
+        self.numpy = [None] * self.size
         with _dispatch_lock:
             if _numpy_dispatch is None:
                 extra = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
@@ -214,6 +217,19 @@ class RankLocals:
                 _numpy_dispatch = _Dispatch(nr, glob, extra, "numpy")
             _numpy_dispatch.install()
         self._numpy_installed = True
+
+    def make(self, key: str, rank: int) -> Any:
+        """Rank ``rank``'s own ``random.Random`` (key "python") or NumPy ``RandomState`` ("numpy")."""
+        if key == "python":
+            inst: Any = random.Random()
+            inst.setstate(self._initial[key])
+        else:
+            nr = _numpy_random()
+            assert nr is not None
+            inst = nr.RandomState()
+            inst.set_state(self._initial[key])
+        getattr(self, key)[rank] = inst
+        return inst
 
     def bind(self, rank: int) -> None:
         """In rank ``rank``'s thread, before its code runs: module functions draw from its instances."""

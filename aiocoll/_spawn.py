@@ -303,20 +303,25 @@ async def spawn_async(
                 for st in order
             }
             runners = [by_rank[st.rank] for st in local]
+        elif w.turns is not None:
+            # Every rank is live before the first one runs (or a rank blocked early would
+            # look deadlocked); the first runs as soon as its thread starts, while the
+            # others are being started.
+            for st in local:
+                st.enter()
+            w.turns.start(st.rank for st in order)
+            runners = [_start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local]
+            watch = StallWatch(w.turns, loop)
+            watch.start()
         else:
-            sfn = fn
-            runners = [_start_thread(w, st, sfn, sessions[st.rank], failures, threads, rank_locals) for st in local]
+            runners = [_start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local]
         for st, r in zip(local, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.
             st.task = r if isinstance(r, asyncio.Task) else None
-            st.enter()
-            if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
+            if w.turns is None:  # (a rank thread taking turns entered above, and leaves in its own thread)
+                st.enter()
                 r.add_done_callback(st._task_done)
-        if w.turns is not None:
-            w.turns.start(st.rank for st in order)
-            watch = StallWatch(w.turns, loop)
-            watch.start()
         try:
             await asyncio.wait(runners)
             # tasks a rank created and left running would outlive the world
@@ -469,15 +474,15 @@ def _start_thread(
 
     def main() -> None:
         rank_var().set(st)
-        if turns is not None:
-            assert rank_locals is not None
-            rank_locals.bind(st.rank)
-            turns.begin(st.rank)
         ok, value = False, cast(Any, None)
         # as torch's threaded process group does: autograd must not hand work to its
         # own device threads from a rank thread
         with torch.autograd.set_multithreading_enabled(False):
             try:
+                if turns is not None:  # (a failure here is the rank's: it still ends its turn below)
+                    assert rank_locals is not None
+                    rank_locals.bind(st.rank)
+                    turns.begin(st.rank)
                 if session is not None:
                     session.start()
                 try:
@@ -490,11 +495,13 @@ def _start_thread(
         if turns is not None:
             # settled now, in turn order: a failure aborts the world before another rank runs
             assert w.lock is not None
-            with w.lock:
-                settle(ok, value)
-                st.leave()
-            RankLocals.unbind()
-            turns.end(st.rank)
+            try:
+                with w.lock:
+                    settle(ok, value)
+                    st.leave()
+            finally:  # whatever happens, the others must not wait for this rank's turn
+                RankLocals.unbind()
+                turns.end(st.rank)
         w.call_soon_threadsafe(done, ok, value)  # the thread's last act
 
     # daemon: a rank stuck in user code must not keep the interpreter alive after ^C

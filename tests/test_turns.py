@@ -247,3 +247,23 @@ def test_turns_hand_over_in_order_and_time_out() -> None:
     assert isinstance(events[0], TurnEvent)
     assert "rank=0" in repr(events[0])
     assert "holder=None" in repr(turns)
+
+
+def test_a_failure_taking_a_turn_is_the_ranks_and_hangs_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocoll._locals import RankLocals
+
+    real = RankLocals.switch
+
+    def switch(self: RankLocals, rank: int) -> None:
+        if rank == 1:
+            raise OSError("no state for rank 1")
+        real(self, rank)
+
+    monkeypatch.setattr(RankLocals, "switch", switch)
+
+    def fn(comm: Comm) -> None:
+        dist.barrier()
+
+    with pytest.raises(OSError, match="no state for rank 1") as info:
+        aiocoll.spawn(fn, world=3, timeout=60)
+    assert "aiocoll: raised on rank 1 of a world of 3" in info.value.__notes__
