@@ -120,7 +120,7 @@ def test_bench_suite_quick(tmp_path: Path) -> None:
             assert systems[name]["status"] == "ok", (cell["workload"], cell["world"], systems[name])
         if cell["world"] == 16:  # --quick caps gloo at 4 processes
             assert systems["gloo"]["status"] == "capped"
-    assert [t["pass"] for t in data["targets"]].count(None) == 7  # --quick measures the 4 targets at W=4 only
+    assert [t["pass"] for t in data["targets"]].count(None) == 8  # --quick measures the 4 targets at W=4 only
     assert not (tmp_path / "r.png").exists()
 
 
