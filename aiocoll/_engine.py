@@ -460,15 +460,11 @@ class Work:
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
             lock = world.lock
-            if lock is not None:  # ranks take turns: report the wait now, then hand the turn over
-                if timeout is None:
-                    with lock:
-                        world.park(self)
-                    event.wait()
-                elif not event.wait(timeout):
-                    raise CollectiveTimeoutError(
-                        f"rank {self._rank.rank} waited {timeout}s in {self.describe()}; it is still pending"
-                    )
+            if timeout is None and lock is not None:
+                # ranks take turns: report the wait now, then hand the turn over
+                with lock:
+                    world.park(self)
+                event.wait()
             elif timeout is None:
                 # Tell the loop this thread is blocked only if the wait is not short: most
                 # complete within microseconds, and a message per wait costs a loop wake-up.

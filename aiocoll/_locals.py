@@ -51,10 +51,9 @@ def _cuda_generators() -> list[torch.Generator]:
 class _TorchStates:
     """torch's process-wide generators, one saved state per rank; the current owner's are loaded."""
 
-    __slots__ = ("_cpu", "_cuda", "_fresh_cuda", "_size")
+    __slots__ = ("_cpu", "_cuda", "_fresh_cuda")
 
     def __init__(self, size: int) -> None:
-        self._size = size
         # normal tensors even if spawn is called under inference_mode: save() updates them in place
         with torch.inference_mode(False):
             cpu = torch.default_generator.get_state()

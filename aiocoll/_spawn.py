@@ -303,17 +303,16 @@ async def spawn_async(
                 for st in order
             }
             runners = [by_rank[st.rank] for st in local]
-        elif w.turns is not None:
-            # Every rank is live before the first one runs (or a rank blocked early would
-            # look deadlocked); the first runs as soon as its thread starts, while the
-            # others are being started.
-            for st in local:
-                st.enter()
-            w.turns.start(st.rank for st in order)
-            runners = [_start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local]
-            watch = StallWatch(w.turns, loop)
-            watch.start()
         else:
+            if w.turns is not None:
+                # Every rank is live before the first one runs (or a rank blocked early
+                # would look deadlocked); the first runs as soon as its thread starts,
+                # while the others are being started.
+                for st in local:
+                    st.enter()
+                w.turns.start(st.rank for st in order)
+                watch = StallWatch(w.turns, loop)
+                watch.start()
             runners = [_start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local]
         for st, r in zip(local, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task

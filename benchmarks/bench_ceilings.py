@@ -256,12 +256,7 @@ def bare_threads_op(world: int, iters: int) -> float:
         if errors:
             return
         t.zero_()
-        for _ in range(warmup):
-            arrive(t, me)
-        start = time.perf_counter()
-        for _ in range(iters):
-            arrive(t, me)
-        elapsed[rank] = time.perf_counter() - start
+        elapsed[rank] = timed_loop(lambda: arrive(t, me), warmup, iters)
 
     threads: list[threading.Thread] = []
     start_and_join(threads, world, worker, "bare rank", checked.abort, JOIN_TIMEOUT)
@@ -320,12 +315,7 @@ def bare_turns_op(world: int, iters: int) -> float:
             arrive(rank, t)
             check_sum(BARE_TURNS, rank, t, world)
             t.zero_()
-            for _ in range(warmup):
-                arrive(rank, t)
-            start = time.perf_counter()
-            for _ in range(iters):
-                arrive(rank, t)
-            elapsed[rank] = time.perf_counter() - start
+            elapsed[rank] = timed_loop(lambda: arrive(rank, t), warmup, iters)
         except BaseException as e:  # the others would wait for it forever: the run is lost either way
             errors.append((rank, e))
         pass_turn()  # ended: the next ready rank runs
