@@ -25,7 +25,7 @@ from ._faults import Fault, FaultPlan
 from ._locals import RankLocals
 from ._output import prefixed_output
 from ._record import Recorder
-from ._turns import StallWatch, Turns
+from ._turns import SameCpu, StallWatch, Turns
 
 __all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
 
@@ -279,7 +279,7 @@ async def spawn_async(
     if sync_ranks == "turns" and hybrid is None and not _is_async(fn):
         # (a hybrid world's bridge runs on the loop: its sync ranks run in parallel)
         rank_locals = RankLocals(world)
-        w.take_turns(Turns(world, w.rng, rank_locals.switch))
+        w.take_turns(Turns(world, w.rng, rank_locals.switch, SameCpu.detect(world)))
     sessions: list[_c10d.RankSession | None] = [None] * world
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import aiocoll
 from aiocoll import Comm
-from aiocoll._turns import TurnEvent, Turns
+from aiocoll._turns import SameCpu, TurnEvent, Turns
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
 
@@ -267,3 +267,61 @@ def test_a_failure_taking_a_turn_is_the_ranks_and_hangs_no_one(monkeypatch: pyte
     with pytest.raises(OSError, match="no state for rank 1") as info:
         aiocoll.spawn(fn, world=3, timeout=60)
     assert "aiocoll: raised on rank 1 of a world of 3" in info.value.__notes__
+
+
+_affinity = pytest.mark.skipif(
+    SameCpu.detect() is None, reason="needs per-thread CPU affinity (Linux) and at least two allowed CPUs"
+)
+
+
+@_affinity
+def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None:
+    import os
+
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    cpus = SameCpu(1, lambda: cpu)
+    seen: dict[str, set[int]] = {}
+    registered, pinned = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        cpus.register(0)
+        registered.set()
+        pinned.wait(10)
+        seen["woken"] = os.sched_getaffinity(0)
+        cpus.unpin(0)
+        seen["running"] = os.sched_getaffinity(0)
+
+    th = threading.Thread(target=rank)
+    th.start()
+    assert registered.wait(10)
+    cpus.pin(0)
+    pinned.set()
+    th.join(10)
+    assert seen == {"woken": {cpu}, "running": mask}
+    assert cpus.on
+
+
+@_affinity
+def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
+    cpus = SameCpu(1, lambda: 1 << 20)  # a CPU that does not exist: sched_setaffinity fails
+    cpus.register(0)  # (this thread stands for the rank)
+    cpus.pin(0)
+    assert not cpus.on
+    cpus.pin(0)  # off: a no-op from now on
+    assert repr(cpus) == "<SameCpu off ranks=1>"
+
+
+@_affinity
+def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
+    import os
+
+    def fn(comm: Comm) -> tuple[set[int], set[int], float]:
+        before = os.sched_getaffinity(0)
+        t = torch.ones(1)
+        for _ in range(20):
+            dist.all_reduce(t.fill_(1.0))
+        return before, os.sched_getaffinity(0), t.item()
+
+    mask = os.sched_getaffinity(0)
+    assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0)] * 3
