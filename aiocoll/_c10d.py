@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Generator, Sequence
 from datetime import timedelta
+from types import CodeType
 from typing import Any
 
 import torch
@@ -179,9 +180,24 @@ class _C10dComm(Comm):
 
     def _site(self) -> Site:
         f = sys._getframe(2)
-        while f.f_back is not None and f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+        while f.f_back is not None and (f.f_code in _SKIPPED or _skipped(f.f_code)):
             f = f.f_back
         return (f.f_code.co_filename, f.f_lineno)
+
+
+# torch's and aiocoll's code objects seen above a call (a few hundred at most; the user's
+# are not kept, so none is held alive here)
+_SKIPPED: set[CodeType] = set()
+
+
+def _skipped(code: CodeType) -> bool:
+    """Whether a frame running ``code`` is torch's or aiocoll's rather than the user's."""
+    if code in _SKIPPED:
+        return True
+    if code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+        _SKIPPED.add(code)
+        return True
+    return False
 
 
 def _one(op: str, tensors: Sequence[Any]) -> Any:
@@ -201,6 +217,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._comm = comm
         self._name = name
         self._on_loop = not comm._threaded
+        self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -214,7 +231,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
 
     def _check(self, op: str, opts: Any) -> None:
         me = current_rank_state()
-        owner = self._comm._world.ranks[self._comm.global_rank]
+        owner = self._owner
         if me is not owner:
             who = "code outside any rank" if me is None else f"rank {me.rank}"
             raise AiocollError(

@@ -358,7 +358,7 @@ class Work:
         self._event: _Latch | TurnEvent | None = None
         if threaded:
             turns = world.turns
-            self._event = _Latch() if turns is None else turns.event(self._rank.rank)
+            self._event = _Latch() if turns is None else TurnEvent(turns, self._rank.rank)
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
@@ -450,7 +450,7 @@ class Work:
         """
         world = self._rank.world
         if not self._fut.done():
-            if world.on_loop_thread():
+            if _thread.get_ident() == world.loop_thread:
                 raise BlockingCallError(
                     f"blocking wait for {self._call.describe()} on the event loop thread would "
                     "deadlock: await it instead (e.g. 'await work' or "

@@ -62,18 +62,26 @@ class _TorchStates:
             self._cuda: list[list[torch.Tensor] | None] = [[s.clone() for s in cuda] for _ in range(size)]
         self._fresh_cuda: list[torch.Tensor] | None = None
 
-    def save(self, rank: int) -> None:
+    def switch(self, old: int | None, new: int) -> None:
+        """Save rank ``old``'s states (None: nobody's are loaded), then load rank ``new``'s."""
+        gens = _cuda_generators()
+        if old is not None:
+            self._save(old, gens)
+        self._load(new, gens)
+
+    def _save(self, rank: int, gens: list[torch.Generator]) -> None:
         # into the rank's buffer, made once on the spawning thread: a state kept from each
         # rank thread would pin memory in that thread's malloc arena (+50 MB at W=1024)
-        with torch.inference_mode(False):  # (a rank may hand over inside inference_mode)
+        if torch.is_inference_mode_enabled():  # (a rank may hand over inside inference_mode)
+            with torch.inference_mode(False):
+                self._cpu[rank].copy_(torch.default_generator.get_state())
+        else:  # (the common case, without the context manager's few microseconds)
             self._cpu[rank].copy_(torch.default_generator.get_state())
-        gens = _cuda_generators()
         if gens:
             self._cuda[rank] = [g.get_state() for g in gens]
 
-    def load(self, rank: int) -> None:
+    def _load(self, rank: int, gens: list[torch.Generator]) -> None:
         torch.default_generator.set_state(self._cpu[rank])
-        gens = _cuda_generators()
         if gens:
             states = self._cuda[rank]
             if not states or len(states) != len(gens):
@@ -242,9 +250,7 @@ class RankLocals:
     def switch(self, rank: int) -> None:
         """Rank ``rank`` takes its turn: load its generator states (after saving the last owner's)."""
         if self._loaded != rank:
-            if self._loaded is not None:
-                self._torch.save(self._loaded)
-            self._torch.load(rank)
+            self._torch.switch(self._loaded, rank)
             self._loaded = rank
         if not self._numpy_installed and "numpy.random" in sys.modules:
             self._track_numpy()

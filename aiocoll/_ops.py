@@ -88,6 +88,12 @@ class Reduction:
         plain = _PLAIN.get(id(op))  # the common case, without torch's slow enum comparisons
         if plain is not None:
             return plain
+        if type(op) is dist.ReduceOp:  # what torch.distributed hands a backend: compare plain ints
+            kind = getattr(op, "op")  # noqa: B009  (the stubs omit it)
+            value = kind.value
+            if value != _PREMUL_VALUE:
+                return _PLAIN[id(_CANON[value])]
+            return _reduction(value, _torch.premul_factor(op))
         if isinstance(op, Reduction):
             return op
         if isinstance(op, str):
@@ -158,6 +164,7 @@ class Reduction:
 # ReduceOp(SUM).op): every Reduction holds the canonical member, so identity checks in
 # the ops hold whatever spelling the caller used.
 _CANON = {k.value: k for k in _NAMES}
+_PREMUL_VALUE = _R.PREMUL_SUM.value
 _PLAIN = {id(k): Reduction(k) for k in _NAMES if k is not _R.PREMUL_SUM}
 
 

@@ -324,15 +324,18 @@ class _StateProxy:
     def __init__(self, fallback: Any) -> None:
         object.__setattr__(self, "_fallback", fallback)
 
-    def _target(self) -> Any:
+    def __getattribute__(self, name: str) -> Any:
+        # every attribute is the target's: __getattribute__ rather than __getattr__ spares
+        # the failed own lookup (and its AttributeError) on each of torch's reads, about
+        # three per collective
         st = _state_var.get()
-        return self._fallback if st is None else st
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target(), name)
+        if st is None:
+            st = object.__getattribute__(self, "_fallback")
+        return getattr(st, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._target(), name, value)
+        st = _state_var.get()
+        setattr(object.__getattribute__(self, "_fallback") if st is None else st, name, value)
 
 
 _checked: str | None = None
