@@ -24,6 +24,9 @@ Systems, all in this one process:
 * ``bare threads``: the least a thread-per-rank design can do. W threads; a ``threading.Lock`` guards the shared
   arrival lists; each thread blocks on its own pre-acquired lock (a binary semaphore) until the last arrival,
   which runs the same torch op, releases it.
+* ``bare turns``: the least aiocoll's own sync design can do. W threads take turns, one running at a time:
+  an arriving rank appends its tensor and, unless it is the last, hands the turn to the next ready rank
+  (woken on its own CPU, as aiocoll's ``SameCpu`` does) and sleeps; the last arrival runs the torch op.
 * ``W*dist overhead``: one thread calling ``dist.all_reduce`` W times per op on a world-size-1 process group
   whose ``allreduce`` returns an already completed Work: the serial Python cost that W sync ranks pay in
   ``torch.distributed`` under the GIL, whatever their rendezvous. W sync ranks' op cannot take less than this
@@ -47,8 +50,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import json
+import os
 import statistics
 import sys
 import threading
@@ -271,15 +276,33 @@ def bare_threads_op(world: int, iters: int) -> float:
 # -- bare turns ------------------------------------------------------------------------------------------
 
 
+def _same_cpu() -> Callable[[int], None] | None:
+    """``pin(tid)``: restrict thread ``tid`` to the calling thread's CPU (None where the OS cannot)."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+
+    def pin(tid: int) -> None:
+        os.sched_setaffinity(tid, (getcpu(),))
+
+    return pin
+
+
 def bare_turns_op(world: int, iters: int) -> float:
     """Seconds per op of W threads that take turns (aiocoll's sync ranks' design), as seen by rank 0.
 
     One thread runs at a time. An arriving rank appends its tensor; unless it is the last, it hands the turn
     to the next ready rank (releases that rank's lock) and sleeps on its own. The last arrival runs the torch
     op, makes every other rank ready, and goes on: one hand-over per rank and op, no lock around the lists
-    (only the thread holding the turn touches them) and no GIL contention.
+    (only the thread holding the turn touches them) and no GIL contention. As aiocoll does (``SameCpu``), a
+    hand-over wakes the next thread on the CPU of the one that hands over, which frees it once awake.
     """
     warmup = warmup_for(iters)
+    pin = _same_cpu()
+    tids = [0] * world
     wake = [threading.Lock() for _ in range(world)]
     for lock in wake:
         lock.acquire()
@@ -291,7 +314,10 @@ def bare_turns_op(world: int, iters: int) -> float:
 
     def pass_turn() -> None:
         if ready:
-            wake[ready.popleft()].release()
+            nxt = ready.popleft()
+            if pin is not None:
+                pin(tids[nxt])
+            wake[nxt].release()
 
     def arrive(rank: int, t: torch.Tensor) -> None:
         nonlocal ts
@@ -306,8 +332,13 @@ def bare_turns_op(world: int, iters: int) -> float:
         waiting.append(rank)
         pass_turn()
         wake[rank].acquire()
+        if pin is not None:
+            os.sched_setaffinity(0, cpus)
+
+    cpus = os.sched_getaffinity(0) if pin is not None else set()
 
     def worker(rank: int) -> None:
+        tids[rank] = threading.get_native_id()
         if rank:
             wake[rank].acquire()  # the first turn (rank 0 starts with it)
         t = torch.ones(1)
