@@ -6,7 +6,7 @@ Everything here runs on the world's event loop thread, or, for sync ranks that t
 turns (``_turns``), in the thread of the rank that holds the turn, under the world's
 ``lock`` (which the loop then takes too, for timers and ops it runs).
 
-Deadlock detection rests on one invariant: a Work can only complete when some rank
+Deadlock detection (``_liveness``) rests on one invariant: a Work can only complete when some rank
 makes a call. So if every live rank is *blocked* (each of its tasks is awaiting an
 unfinished Work of this world) and no op is executing, nothing can ever complete.
 Tasks a rank creates count as that rank's (a task factory tracks them through a
@@ -41,10 +41,10 @@ from ._errors import (
     BlockingCallError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    DeadlockError,
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
+from ._liveness import Liveness
 from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
 from ._turns import TurnEvent, Turns
@@ -161,6 +161,7 @@ class RankState:
         "injected",
         "issued",
         "live",
+        "liveness",
         "parked",
         "phase",
         "rank",
@@ -173,6 +174,7 @@ class RankState:
     def __init__(self, world: World, rank: int) -> None:
         self.rank = rank
         self.world = world
+        self.liveness = world.liveness  # told when this rank becomes live or blocked
         self.phase = Phase.RUNNING
         self.live = 0  # tasks (or threads) acting for this rank
         self.parked = 0  # of those, how many await an unfinished Work
@@ -195,11 +197,11 @@ class RankState:
         self.live += dlive
         self.parked += dparked
         now_blocked = self.blocked
-        w = self.world
-        w._n_blocked += now_blocked - was_blocked
-        w._n_live += (self.live > 0) - was_live
+        lv = self.liveness
+        lv.blocked += now_blocked - was_blocked
+        lv.live += (self.live > 0) - was_live
         if (now_blocked and not was_blocked) or (was_live and self.live == 0):
-            w._check_deadlock()
+            lv.check()
 
     # park/unpark, the two calls of every op, specialised from _change: a task that parks
     # or unparks is live, so parked < live before a park and live > 0 throughout
@@ -208,13 +210,13 @@ class RankState:
         """One of its tasks (or its thread) now waits for a Work."""
         self.parked += 1
         if self.parked == self.live:
-            w = self.world
-            w._n_blocked += 1
-            w._check_deadlock()
+            lv = self.liveness
+            lv.blocked += 1
+            lv.check()
 
     def unparked(self) -> None:
         if self.parked == self.live:
-            self.world._n_blocked -= 1
+            self.liveness.blocked -= 1
         self.parked -= 1
 
     def enter(self) -> None:
@@ -249,7 +251,7 @@ class RankState:
             "rank": self.rank,
             "state": state,
             "waiting": [f"{w._call.describe()} {w._where}" for w in self.waiting],
-            "waits_for": self.world._waits_for(self),
+            "waits_for": self.liveness.waits_for(self),
             "completed": self.completed,
         }
 
@@ -667,13 +669,13 @@ class World:
         self.loop_thread = threading.get_ident()  # worlds are made on their loop's thread
         self.id = next(_world_ids)
         self.timeout = timeout
-        self.ranks = [RankState(self, r) for r in range(size)]
+        # live and blocked ranks, deadlock detection; before the ranks, which report to it
+        self.liveness: Liveness = Liveness(self)
+        self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
         self.hybrid: Hybrid | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
-        self.in_flight = 0
-        self._n_live = 0
-        self._n_blocked = 0
+        self.in_flight = 0  # ops under way that will complete with no rank's call: not a deadlock meanwhile
         self._p2p_counter = itertools.count()
         # unmatched sends and recvs, which time out (see _p2p_timed_out)
         self._p2p_waiting: set[Work] = set()
@@ -844,7 +846,7 @@ class World:
             if sig != rdv.sig:
                 if not rdv.mismatched:
                     # Report once every rank has shown what it called, or as soon as the
-                    # missing ones are blocked elsewhere (see _check_deadlock).
+                    # missing ones are blocked elsewhere (see explain_stall).
                     rdv.mismatched = True
                     self._mismatched.append(rdv)
                 if rdv.stamp is not None:
@@ -959,7 +961,7 @@ class World:
             _, fn = self._queue.popleft()
             self.in_flight -= 1
             fn()
-        self._check_deadlock()
+        self.liveness.check()
 
     def _op_failed(self, works: Sequence[Work | None], e: BaseException) -> None:
         # Arguments were validated before the call joined, so this is unexpected: keep the
@@ -993,7 +995,7 @@ class World:
             self._op_failed(rdv.works, exc)
         else:
             self._finish(rdv, fut.result())
-        self._check_deadlock()
+        self.liveness.check()
 
     def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
         if self.rng is not None and self.turns is None:  # (ranks that take turns are shuffled by turns)
@@ -1139,7 +1141,7 @@ class World:
             if work._stamp is not None:
                 work._stamp.last = work._stamp.done = _now()
                 work._stamp.outcome = "ok"
-        self._check_deadlock()
+        self.liveness.check()
 
     def _arm_p2p_timer(self, work: Work) -> None:
         if self._deadlines is not None:
@@ -1297,66 +1299,27 @@ class World:
         err.__cause__ = asyncio.CancelledError()
         self.abort(work._rank.rank, err)
 
-    def _check_deadlock(self) -> None:
-        if self._n_blocked != self._n_live or self.in_flight or self.aborted is not None:
-            return
-        if self._n_live == 0:
-            return
-        if self._mismatched:
-            self._report_mismatch(self._mismatched[0])
-            return
-        message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
-        first: DeadlockError | None = None
-        for st in self.ranks:
-            for w in list(st.waiting):
-                e = DeadlockError(message)
-                first = first or e
-                w._resolve(exc=e)
-        assert first is not None
-        self.abort(None, first)
+    def explain_stall(self) -> bool:
+        """Every live rank waits: report the mismatched collective behind it, if any (true if so).
+
+        A rank that called the wrong collective then waits in its next one; the mismatch
+        says more than a deadlock would.
+        """
+        if not self._mismatched:
+            return False
+        self._report_mismatch(self._mismatched[0])
+        return True
 
     # -- reporting -----------------------------------------------------------------
 
-    def table(self) -> str:
-        """One line per rank: what it is doing or waiting for."""
-        lines = []
-        for st in self.ranks:
-            line = f"  rank {st.rank}: {st.status()}"
-            extra = self._waiting_for(st)
-            if extra:
-                line += f" -- {extra}"
-            lines.append(line)
-        return "\n".join(lines)
+    # (the liveness keeps the counts; statistics() reads them here)
+    @property
+    def _n_live(self) -> int:
+        return self.liveness.live
 
-    @staticmethod
-    def _peers(w: Work) -> tuple[str, list[int]]:
-        """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
-        g, call = w._group, w._call
-        if w._rdv is not None:
-            return "collective", [g.ranks[r] for r in w._rdv.missing()]
-        if isinstance(call, Recv):
-            return "recv", [] if call.src is None else [g.ranks[call.src]]
-        if isinstance(call, Send):
-            return "send", [g.ranks[call.dst]]
-        return "other", []
-
-    def _waits_for(self, st: RankState) -> list[int]:
-        """The global ranks whose calls the works ``st`` waits on still need."""
-        return sorted({r for w in st.waiting for r in self._peers(w)[1]})
-
-    def _waiting_for(self, st: RankState) -> str:
-        if not st.blocked:
-            return ""
-        parts = []
-        for w in st.waiting:
-            kind, ranks = self._peers(w)
-            if kind == "collective":
-                parts.append(f"waits for ranks {ranks}")
-            elif kind == "recv":
-                parts.append(f"waits for a send from {f'rank {ranks[0]}' if ranks else 'any rank'}")
-            elif kind == "send":
-                parts.append(f"waits for rank {ranks[0]} to recv")
-        return "; ".join(parts)
+    @property
+    def _n_blocked(self) -> int:
+        return self.liveness.blocked
 
     def pending_works(self) -> list[Work]:
         """Every work still waiting for a peer, collectives first."""
