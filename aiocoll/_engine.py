@@ -45,7 +45,8 @@ from ._errors import (
 )
 from ._faults import Fault, FaultPlan, OpInfo
 from ._liveness import Liveness
-from ._ops import Recv, Send, check_transfer, transfer
+from ._ops import Recv, Send
+from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
 from ._turns import TurnEvent, Turns
 
@@ -638,7 +639,8 @@ class Group:
             world.hybrid.attach(self)
         self.next_seq = [0] * self.size
         self.pending: dict[int, Rendezvous] = {}
-        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag)
+        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag); only
+        # the world's P2PMatcher changes them
         self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, Work]]]] = {}
         self.recvs: dict[tuple[int, int], list[Work]] = {}
         self._children: dict[Any, Group] = {}
@@ -676,9 +678,6 @@ class World:
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
         self.in_flight = 0  # ops under way that will complete with no rank's call: not a deadlock meanwhile
-        self._p2p_counter = itertools.count()
-        # unmatched sends and recvs, which time out (see _p2p_timed_out)
-        self._p2p_waiting: set[Work] = set()
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
         self.lock: threading.RLock | None = None
@@ -702,6 +701,10 @@ class World:
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
         self._named_lock = threading.Lock()
+        # p2p matching; post calls its two entry points bound once (the per-op path)
+        self.p2p: P2PMatcher[Work] = P2PMatcher(self, self._all_groups, self._deadlines)
+        self._send = self.p2p.send
+        self._recv = self.p2p.recv
 
     # -- collectives -----------------------------------------------------------------
 
@@ -1056,79 +1059,7 @@ class World:
             f"ranks {arrived} arrived, ranks {rdv.missing()} did not:\n{rdv.table()}",
         )
 
-    # -- point to point --------------------------------------------------------------
-
-    def _send(self, work: Work) -> None:
-        group, src, call = work._group, work._grank, work._call
-        key = (call.dst, call.tag)
-        recvs = group.recvs.get(key)
-        if recvs:
-            for i, rw in enumerate(recvs):
-                if rw._call.src is None or rw._call.src == src:
-                    del recvs[i]
-                    self._match(group, src, work, rw)
-                    return
-        q = group.sends.setdefault(key, {}).setdefault(src, deque())
-        q.append((next(self._p2p_counter), work))
-        self._arm_p2p_timer(work)
-
-    def _recv(self, work: Work) -> None:
-        group, dst, call = work._group, work._grank, work._call
-        by_src = group.sends.get((dst, call.tag))
-        if by_src:
-            if call.src is not None:
-                q = by_src.get(call.src)
-                src = call.src if q else None
-            else:
-                # any source: the earliest unmatched send, whoever sent it
-                heads = [(q[0][0], s) for s, q in by_src.items() if q]
-                if not heads:
-                    src = None
-                elif self.rng is not None:  # a seeded schedule: any queued sender may win
-                    src = self.rng.choice(heads)[1]
-                else:
-                    src = min(heads)[1]
-            if src is not None:
-                _, sw = by_src[src].popleft()
-                self._match(group, src, sw, work)
-                return
-        group.recvs.setdefault((dst, call.tag), []).append(work)
-        self._arm_p2p_timer(work)
-
-    def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
-        for w in (sw, rw):
-            self._p2p_waiting.discard(w)
-            if w._stamp is not None:
-                w._stamp.last = _now()  # both sides are here
-        problem = check_transfer(sw._call, rw._call)
-        if problem is not None:
-            msg = (
-                f"{problem} on group {group.name!r}:\n"
-                f"  rank {src}: {sw._call.describe()} at {fmt_site(sw._site)}\n"
-                f"  rank {sw._call.dst}: {rw._call.describe()} at {fmt_site(rw._site)}"
-            )
-            errs = [CollectiveMismatchError(msg), CollectiveMismatchError(msg)]
-            sw._resolve(exc=errs[0])
-            rw._resolve(exc=errs[1])
-            self.abort(None, errs[0])
-            return
-        if self._busy is None:
-            self._transfer(src, sw, rw)
-        else:
-            self._serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
-
-    def _transfer(self, src: int, sw: Work, rw: Work) -> None:
-        try:
-            transfer(sw._call, rw._call)
-        except Exception as e:
-            self._op_failed((sw, rw), e)
-            return
-        sw._resolve(None)
-        rw._resolve(src)
-        for w in (sw, rw):
-            if w._stamp is not None:
-                w._stamp.done = _now()
-                w._stamp.outcome = "ok"
+    # -- p2p with other processes; deadlines ---------------------------------------
 
     def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
         self.in_flight -= 1
@@ -1143,49 +1074,17 @@ class World:
                 work._stamp.outcome = "ok"
         self.liveness.check()
 
-    def _arm_p2p_timer(self, work: Work) -> None:
-        if self._deadlines is not None:
-            self._p2p_waiting.add(work)
-            self._deadlines.add(work)
-
     def _still_pending(self, item: Rendezvous | Work) -> bool:
         """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
         if isinstance(item, Rendezvous):
             return item.pending
-        return item in self._p2p_waiting
+        return item in self.p2p.waiting
 
     def _expired(self, item: Rendezvous | Work) -> None:
         if isinstance(item, Rendezvous):
             self._timed_out(item)
         else:
-            self._p2p_timed_out(item)
-
-    def _p2p_timed_out(self, work: Work) -> None:
-        self._p2p_waiting.discard(work)
-        if work.done():
-            return
-        call, g = work._call, work._group
-        peer = call.dst if isinstance(call, Send) else call.src
-        if peer is None:
-            who = "no rank sent to it"
-        else:
-            who = f"rank {g.ranks[peer]} did not match it ({self.ranks[g.ranks[peer]].status()})"
-        err = CollectiveTimeoutError(f"rank {work._rank.rank} waited {self.timeout}s in {work.describe()}; {who}")
-        self._remove_p2p(work)
-        work._resolve(exc=err)
-        self.abort(None, err)
-
-    def _remove_p2p(self, work: Work) -> None:
-        for g in self._all_groups():
-            for lst in g.recvs.values():
-                if work in lst:
-                    lst.remove(work)
-            for by_src in g.sends.values():
-                for q in by_src.values():
-                    for item in q:
-                        if item[1] is work:
-                            q.remove(item)
-                            break
+            self.p2p.timed_out(item)
 
     def named_group(self, name: str, ranks: Sequence[int]) -> Group:
         """The group every rank names ``name`` over ``ranks`` (global), made on first use."""
@@ -1233,15 +1132,7 @@ class World:
                     if w is not None:
                         w._resolve(exc=self._aborted_error())
             g.pending.clear()
-            for lst in g.recvs.values():
-                for w in lst:
-                    w._resolve(exc=self._aborted_error())
-            g.recvs.clear()
-            for by_src in g.sends.values():
-                for q in by_src.values():
-                    for _, w in q:
-                        w._resolve(exc=self._aborted_error())
-            g.sends.clear()
+            self.p2p.drop(g, self._aborted_error)
         # An op running off the loop (or an exchange with other processes) cannot be
         # stopped; its ranks are released now, and what it writes when it ends goes
         # nowhere. Queued ops never start.
@@ -1251,7 +1142,7 @@ class World:
                     w._resolve(exc=self._aborted_error())
         self.in_flight -= len(self._queue)
         self._queue.clear()
-        self._p2p_waiting.clear()
+        self.p2p.waiting.clear()
         if self._deadlines is not None:
             self._deadlines.clear()
         for w, timer in self._held.items():
