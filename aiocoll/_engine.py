@@ -44,6 +44,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
+from ._inject import FaultInjector
 from ._liveness import Liveness
 from ._ops import Recv, Send
 from ._p2p import P2PMatcher
@@ -687,8 +688,10 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
-        # works a fault holds back: hung (None) or delayed (the timer that posts them)
-        self._held: dict[Work, asyncio.TimerHandle | None] = {}
+        # holds back the works that faults hang or delay; park skips those, on every op,
+        # hence its dict at hand here
+        self.injector: FaultInjector[Work] = FaultInjector(self, loop, timeout)
+        self._held = self.injector.held
         self._mismatched: list[Rendezvous] = []
         # ops run off the loop one at a time (see _serial): the works of the one running,
         # and the ops that completed their rendezvous behind it
@@ -781,52 +784,8 @@ class World:
             raise self.faults.exception(fault, info)
         if fault.kind == "hang":
             work._rank.injected = f"hung by an injected fault in {info.op} (its operation #{info.index})"
-        if self.on_loop_thread():
-            self._hold(work, fault)
-        elif self.lock is not None:
-            # a rank taking turns: held before it can wait on it (a wait on a held work
-            # is not counted as blocked)
-            with self.lock:
-                self._hold(work, fault)
-        else:
-            self.call_soon_threadsafe(self._hold, work, fault)
+        self.injector.hold(work, fault.seconds if fault.kind == "delay" else None)
         return work
-
-    def _hold(self, work: Work, fault: Fault) -> None:
-        if self.aborted is not None:
-            work._resolve(exc=self._aborted_error())
-            return
-        self._held[work] = None  # its timer, if any, is armed on the loop
-        if fault.kind == "delay" or self.timeout is not None:
-            if self.on_loop_thread():
-                self._arm_hold(work, fault)
-            else:
-                self.call_soon_threadsafe(self._arm_hold, work, fault)
-
-    def _arm_hold(self, work: Work, fault: Fault) -> None:
-        if work not in self._held:
-            return  # released by an abort meanwhile
-        if fault.kind == "delay":
-            self._held[work] = self.loop.call_later(fault.seconds, self.locked, self._release, work)
-        else:
-            assert self.timeout is not None
-            # The hung rank waits in its call too, and the timeout bounds that as any wait
-            # (alone in its world, nothing else would end it). Twice the timeout: the
-            # peers waiting for it time out first, and their report says more.
-            self._held[work] = self.loop.call_later(2 * self.timeout, self.locked, self._hang_timed_out, work)
-
-    def _hang_timed_out(self, work: Work) -> None:
-        assert self.timeout is not None
-        del self._held[work]
-        err = CollectiveTimeoutError(
-            f"rank {work._rank.rank} waited {2 * self.timeout}s in {work._call.describe()}: {work._rank.injected}"
-        )
-        work._resolve(exc=err)
-        self.abort(None, err)
-
-    def _release(self, work: Work) -> None:
-        del self._held[work]
-        self.post(work)
 
     def _join(self, work: Work) -> None:
         """Deposit the work's call for its group-rank at its next sequence number."""
@@ -1145,11 +1104,7 @@ class World:
         self.p2p.waiting.clear()
         if self._deadlines is not None:
             self._deadlines.clear()
-        for w, timer in self._held.items():
-            if timer is not None:
-                timer.cancel()
-            w._resolve(exc=self._aborted_error())
-        self._held.clear()
+        self.injector.abort(self._aborted_error)
         # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by
         # one loop turn so the ranks just released above first see their error (a
