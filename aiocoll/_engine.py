@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import contextvars
 import enum
-import functools
 import itertools
 import random
 import sys
@@ -34,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _cuda, _device
+from . import _cuda
 from ._deadlines import Deadlines
 from ._errors import (
     AiocollError,
@@ -49,6 +48,7 @@ from ._liveness import Liveness
 from ._ops import Recv, Send
 from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
+from ._runner import OpRunner
 from ._turns import TurnEvent, Turns
 
 __all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
@@ -678,7 +678,6 @@ class World:
         self.hybrid: Hybrid | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
-        self.in_flight = 0  # ops under way that will complete with no rank's call: not a deadlock meanwhile
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
         self.lock: threading.RLock | None = None
@@ -688,28 +687,32 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
-        # holds back the works that faults hang or delay; park skips those, on every op,
-        # hence its dict at hand here
-        self.injector: FaultInjector[Work] = FaultInjector(self, loop, timeout)
-        self._held = self.injector.held
+        # rendezvous whose calls disagree: reported once every rank has shown its call, or
+        # once the ranks missing are stuck elsewhere (explain_stall)
         self._mismatched: list[Rendezvous] = []
-        # ops run off the loop one at a time (see _serial): the works of the one running,
-        # and the ops that completed their rendezvous behind it
-        self._busy: Sequence[Work | None] | None = None
-        self._queue: deque[tuple[Sequence[Work | None], Callable[[], None]]] = deque()
-        self.inline_bytes = _device.INLINE_BYTES
-        # works waiting on other processes (hybrid worlds): collectives in an exchange, p2p
-        self._remote: set[Work] = set()
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
         self._named_lock = threading.Lock()
-        # p2p matching; post calls its two entry points bound once (the per-op path)
-        self.p2p: P2PMatcher[Work] = P2PMatcher(self, self._all_groups, self._deadlines)
+        # The world's collaborators, one job each (and self.liveness, above). The per-op
+        # path reaches theirs through bound methods and a dict kept at hand here.
+        # runs ready ops in order, inline or off the loop, and releases their ranks
+        self.runner: OpRunner[Work] = OpRunner(self, loop, self.liveness)
+        # matches sends with recvs, and times out the unmatched
+        self.p2p: P2PMatcher[Work] = P2PMatcher(self, self.runner, self._all_groups, self._deadlines)
+        # holds back the works that faults hang or delay
+        self.injector: FaultInjector[Work] = FaultInjector(self, loop, timeout)
+        self._run = self.runner.run
         self._send = self.p2p.send
         self._recv = self.p2p.recv
+        self._held = self.injector.held  # park skips held works
 
     # -- collectives -----------------------------------------------------------------
+
+    @property
+    def inline_bytes(self) -> int:
+        """Ops moving more bytes run off the loop (the runner's setting; a hybrid bridge reads it too)."""
+        return self.runner.inline_bytes
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
@@ -752,9 +755,7 @@ class World:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
         elif bridge is not None and (fut := bridge.p2p(work)) is not None:
-            self.in_flight += 1  # the other process will answer, or the group's timeout will
-            self._remote.add(work)
-            fut.add_done_callback(functools.partial(self._p2p_bridged, work))
+            self.runner.remote(work, fut)  # the peer is in another process
         elif isinstance(call, Send):
             self._send(work)
         else:
@@ -843,168 +844,23 @@ class World:
         del rdv.group.pending[rdv.seq]
         if rdv.stamp is not None:
             rdv.stamp.last = _now()
-        if rdv.group.bridge is not None:
+        bridge = rdv.group.bridge
+        if bridge is not None:
             if rdv.mismatched:
                 self._mismatched.remove(rdv)
-            self._bridged(rdv)
+            # every local member arrived: the bridge fetches the other processes' calls and runs the op
+            self.runner.exchange(rdv, bridge.run(rdv))
             return
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
             self._fail_rendezvous(rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}")
             return
-        if self._busy is None:  # the common case, inlined: nothing runs off the loop
-            self._execute(rdv, op)
-        else:
-            self._serial(rdv.works, functools.partial(self._execute, rdv, op))
-
-    # -- running ops, in issue order ---------------------------------------------------
-
-    def _serial(self, works: Sequence[Work | None], fn: Callable[[], None]) -> None:
-        """Run ``fn`` now, or after the op running off the loop and those queued behind it.
-
-        Ops complete in the order their rendezvous completed, as they would inline: a
-        rank may issue two collectives on one tensor without awaiting the first.
-        """
-        if self._busy is None and not self._queue:
-            fn()
-        else:
-            self.in_flight += 1  # queued: it will complete, so no deadlock meanwhile
-            self._queue.append((works, fn))
-
-    def _execute(self, rdv: Rendezvous, op: Any) -> None:
-        where = _device.placement(rdv.calls, self.inline_bytes)
-        if where is _device.Placement.INLINE or (
-            # a rank thread taking turns runs CPU ops itself: no rank runs meanwhile, and
-            # the loop it would spare is not in its way
-            where is _device.Placement.THREAD and self.lock is not None and not self.on_loop_thread()
-        ):
-            try:
-                results = op.run(rdv.calls)
-            except Exception as e:
-                self._op_failed(rdv.works, e)
-                return
-            self._finish(rdv, results)
-            return
-        self._busy = rdv.works
-        self.in_flight += 1
-        if not self.on_loop_thread():  # a rank thread taking turns: streams are polled from the loop
-            self.call_soon_threadsafe(self._start_off_loop, rdv, op, where)
-        else:
-            self._start_off_loop(rdv, op, where)
-
-    def _start_off_loop(self, rdv: Rendezvous, op: Any, where: _device.Placement) -> None:
-        if self.aborted is not None:
-            self._busy = None
-            self.in_flight -= 1
-            return
-        if where is _device.Placement.CUDA:
-            fut = _device.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
-            for w in rdv.works:
-                if w is not None:
-                    w._enqueued()
-        else:
-            fut = _device.run_in_worker(self.loop, op.run, rdv.calls)
-        fut.add_done_callback(functools.partial(self.locked, self._ran, rdv))
-
-    def _ran(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
-        """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
-        self._busy = None
-        self.in_flight -= 1
-        # (cancelled: the CUDA poller was stopped, or the executor shut down with the loop)
-        exc = WorldAbortedError(f"{rdv.where}: the op was cancelled") if fut.cancelled() else fut.exception()
-        if self.aborted is not None:
-            pass  # its ranks were released by the abort
-        elif exc is not None:
-            self._op_failed(rdv.works, exc)
-        else:
-            self._finish(rdv, fut.result())
-        while self._queue and self._busy is None:
-            _, fn = self._queue.popleft()
-            self.in_flight -= 1
-            fn()
-        self.liveness.check()
-
-    def _op_failed(self, works: Sequence[Work | None], e: BaseException) -> None:
-        # Arguments were validated before the call joined, so this is unexpected: keep the
-        # original error type for every rank, and abort the world.
-        for w in works:
-            if w is not None:
-                w._resolve(exc=e)
-        self.abort(None, e)
-
-    def _bridged(self, rdv: Rendezvous) -> None:
-        """Every local member arrived; the bridge fetches the other processes' calls and runs the op."""
-        assert rdv.group.bridge is not None
-        self.in_flight += 1  # the exchange will end (or fail): no deadlock meanwhile
-        self._remote.update(w for w in rdv.works if w is not None)
-        fut = rdv.group.bridge.run(rdv)
-        fut.add_done_callback(functools.partial(self._bridge_done, rdv))
-
-    def _bridge_done(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
-        self.in_flight -= 1
-        self._remote.difference_update(rdv.works)
-        exc = None if fut.cancelled() else fut.exception()
-        if self.aborted is not None:
-            pass  # its ranks were released by the abort
-        elif fut.cancelled():
-            self._op_failed(
-                rdv.works, WorldAbortedError(f"{rdv.where}: the exchange with other processes was cancelled")
-            )
-        elif isinstance(exc, CollectiveMismatchError):
-            self._fail_rendezvous(rdv, CollectiveMismatchError, str(exc))
-        elif exc is not None:
-            self._op_failed(rdv.works, exc)
-        else:
-            self._finish(rdv, fut.result())
-        self.liveness.check()
-
-    def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
-        if self.rng is not None and self.turns is None:  # (ranks that take turns are shuffled by turns)
-            self._resolve_shuffled(rdv.works, results)
-        else:
-            for w, res in zip(rdv.works, results, strict=True):
-                if w is not None:  # None: a member in another process (hybrid worlds)
-                    w._resolve(res)
-                    w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
-        if rdv.stamp is not None:
-            rdv.stamp.done = _now()
-            rdv.stamp.outcome = "ok"
-
-    def _resolve_shuffled(self, works: list[Work | None], results: list[Any]) -> None:
-        """A seeded schedule: release the ranks in a random order, some a few loop turns late.
-
-        The order in which ranks are released is the order in which they run next, so
-        this reorders what the ranks do after each collective, reproducibly per seed.
-        """
-        assert self.rng is not None
-        pairs = [(w, res) for w, res in zip(works, results, strict=True) if w is not None]
-        self.rng.shuffle(pairs)
-        for w, res in pairs:
-            w._rdv = None
-            turns = self.rng.randrange(3)
-            if turns:
-                self.in_flight += 1  # a release on its way: not a deadlock meanwhile
-                self.loop.call_soon(self._release_later, w, res, turns - 1)
-            else:
-                w._resolve(res)
-
-    def _release_later(self, w: Work, res: Any, turns: int) -> None:
-        if turns:
-            self.loop.call_soon(self._release_later, w, res, turns - 1)
-            return
-        self.in_flight -= 1
-        w._resolve(res)
+        self._run(rdv, op)
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
-        first: AiocollError | None = None
-        for w in rdv.works:
-            if w is not None:
-                e = cls(message)
-                first = first or e
-                w._resolve(exc=e)
-        self.abort(None, first or cls(message))
+        self.runner.fail_each(rdv.works, cls, message)
 
     def _timed_out(self, rdv: Rendezvous) -> None:
         if rdv.mismatched:
@@ -1018,20 +874,7 @@ class World:
             f"ranks {arrived} arrived, ranks {rdv.missing()} did not:\n{rdv.table()}",
         )
 
-    # -- p2p with other processes; deadlines ---------------------------------------
-
-    def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
-        self.in_flight -= 1
-        self._remote.discard(work)
-        exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()
-        if exc is not None:
-            self._op_failed((work,), exc)
-        else:
-            work._resolve(fut.result())
-            if work._stamp is not None:
-                work._stamp.last = work._stamp.done = _now()
-                work._stamp.outcome = "ok"
-        self.liveness.check()
+    # -- deadlines, groups ----------------------------------------------------------
 
     def _still_pending(self, item: Rendezvous | Work) -> bool:
         """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
@@ -1092,15 +935,7 @@ class World:
                         w._resolve(exc=self._aborted_error())
             g.pending.clear()
             self.p2p.drop(g, self._aborted_error)
-        # An op running off the loop (or an exchange with other processes) cannot be
-        # stopped; its ranks are released now, and what it writes when it ends goes
-        # nowhere. Queued ops never start.
-        for works in [self._busy or (), *(ws for ws, _ in self._queue), list(self._remote)]:
-            for w in works:
-                if w is not None:
-                    w._resolve(exc=self._aborted_error())
-        self.in_flight -= len(self._queue)
-        self._queue.clear()
+        self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
         self.p2p.waiting.clear()
         if self._deadlines is not None:
             self._deadlines.clear()

@@ -70,11 +70,6 @@ class _Engine(Protocol):
     @property
     def ranks(self) -> Sequence[_Member]: ...
     @property
-    def in_flight(self) -> int:
-        """Ops under way that will complete with no rank's call (off the loop, in other processes, ...)."""
-        ...
-
-    @property
     def aborted(self) -> BaseException | None: ...
     def abort(self, rank: int | None, cause: BaseException) -> None: ...
     def explain_stall(self) -> bool:
@@ -85,16 +80,19 @@ class _Engine(Protocol):
 class Liveness:
     """The world's count of live and blocked ranks; reports a deadlock when they are equal and nothing moves.
 
-    Ranks report to it (``RankState``); the engine reads its counts and calls ``check``
-    where an op in flight ends.
+    Ranks report to it as they become live or blocked (``RankState``), the op runner as
+    ops start and stop being in flight (``OpRunner``).
     """
 
-    __slots__ = ("_world", "blocked", "live")
+    __slots__ = ("_world", "blocked", "in_flight", "live")
 
     def __init__(self, world: _Engine) -> None:
         self._world = world
         self.live = 0  # ranks with some task or thread acting for them
         self.blocked = 0  # of those, ranks whose every task or thread waits for a Work
+        # ops under way that will complete with no rank's call (off the loop, queued behind
+        # one, in other processes, a release on its way): not a deadlock meanwhile
+        self.in_flight = 0
 
     def check(self) -> None:
         """Fail every waiting work with a ``DeadlockError`` and abort, if nothing can complete any more.
@@ -104,7 +102,7 @@ class Liveness:
         if self.blocked != self.live or self.live == 0:
             return  # the common case: some rank can still make a call
         world = self._world
-        if world.in_flight or world.aborted is not None or world.explain_stall():
+        if self.in_flight or world.aborted is not None or world.explain_stall():
             return
         message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
         first: DeadlockError | None = None
@@ -161,4 +159,4 @@ class Liveness:
         return "; ".join(parts)
 
     def __repr__(self) -> str:
-        return f"<Liveness live={self.live} blocked={self.blocked}>"
+        return f"<Liveness live={self.live} blocked={self.blocked} in_flight={self.in_flight}>"

@@ -94,21 +94,25 @@ W = TypeVar("W", bound=P2PWork)
 _W_contra = TypeVar("_W_contra", bound=P2PWork, contravariant=True)
 
 
-class _Engine(Protocol[_W_contra]):
-    """What the matcher needs of its world: the op order, the seeded schedule, ranks' states, abort."""
+class _Order(Protocol[_W_contra]):
+    """The world's op runner, which keeps ops in order: a transfer runs after the op running off the loop."""
 
     @property
-    def _busy(self) -> object:
+    def busy(self) -> object:
         """The works of the op running off the loop, if any (None: nothing runs there)."""
         ...
 
-    def _serial(self, works: Sequence[_W_contra], fn: Callable[[], None]) -> None:
+    def serial(self, works: Sequence[_W_contra], fn: Callable[[], None]) -> None:
         """Run ``fn`` after the op running off the loop and those queued behind it."""
         ...
 
-    def _op_failed(self, works: Sequence[_W_contra], e: BaseException) -> None:
+    def failed(self, works: Sequence[_W_contra], e: BaseException) -> None:
         """``works`` failed with ``e``, which aborts the world."""
         ...
+
+
+class _Engine(Protocol):
+    """What the matcher needs of its world: the seeded schedule, ranks' states, abort."""
 
     @property
     def rng(self) -> random.Random | None: ...
@@ -129,12 +133,17 @@ class P2PMatcher(Generic[W]):
     lock); a matched pair completes both works.
     """
 
-    __slots__ = ("_counter", "_deadlines", "_engine", "_groups", "waiting")
+    __slots__ = ("_counter", "_deadlines", "_engine", "_groups", "_runner", "waiting")
 
     def __init__(
-        self, engine: _Engine[W], groups: Callable[[], Sequence[_Queues[W]]], deadlines: Deadlines | None
+        self,
+        engine: _Engine,
+        runner: _Order[W],
+        groups: Callable[[], Sequence[_Queues[W]]],
+        deadlines: Deadlines | None,
     ) -> None:
         self._engine = engine
+        self._runner = runner
         self._groups = groups  # every group of the world, for a work that must leave its queue
         self._deadlines = deadlines
         self._counter = itertools.count()  # issue numbers of sends: an any-source recv takes the earliest
@@ -206,17 +215,17 @@ class P2PMatcher(Generic[W]):
             rw._resolve(exc=errs[1])
             self._engine.abort(None, errs[0])
             return
-        engine = self._engine
-        if engine._busy is None:
+        runner = self._runner
+        if runner.busy is None:
             self._transfer(src, sw, rw)
         else:
-            engine._serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
+            runner.serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
 
     def _transfer(self, src: int, sw: W, rw: W) -> None:
         try:
             transfer(sw._call, rw._call)
         except Exception as e:
-            self._engine._op_failed((sw, rw), e)
+            self._runner.failed((sw, rw), e)
             return
         sw._resolve(None)
         rw._resolve(src)
