@@ -2,11 +2,22 @@
 and deadlock detection. It knows nothing of what an op does: it only compares call
 signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
 
+``World`` owns the groups, the ranks, the loop, the lock and the deadlines; it enters
+works (``post``), joins collectives to their rendezvous, and aborts. The rest is done
+by collaborators it owns, one job each, in their own modules (which do not import
+this one, and see its objects through protocols):
+
+- ``_runner.OpRunner``: runs ready ops in order, inline or off the loop, and releases
+  their ranks;
+- ``_p2p.P2PMatcher``: matches sends with recvs, and times out the unmatched;
+- ``_liveness.Liveness``: counts live and blocked ranks, and reports a deadlock;
+- ``_inject.FaultInjector``: holds back the works that faults hang or delay.
+
 Everything here runs on the world's event loop thread, or, for sync ranks that take
 turns (``_turns``), in the thread of the rank that holds the turn, under the world's
 ``lock`` (which the loop then takes too, for timers and ops it runs).
 
-Deadlock detection (``_liveness``) rests on one invariant: a Work can only complete when some rank
+Deadlock detection rests on one invariant: a Work can only complete when some rank
 makes a call. So if every live rank is *blocked* (each of its tasks is awaiting an
 unfinished Work of this world) and no op is executing, nothing can ever complete.
 Tasks a rank creates count as that rank's (a task factory tracks them through a
