@@ -947,7 +947,6 @@ class World:
             g.pending.clear()
             self.p2p.drop(g, self._aborted_error)
         self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
-        self.p2p.waiting.clear()
         if self._deadlines is not None:
             self._deadlines.clear()
         self.injector.abort(self._aborted_error)

@@ -269,13 +269,16 @@ class P2PMatcher(Generic[W]):
 
     def drop(self, group: _Queues[W], error: Callable[[], BaseException]) -> None:
         """The world was aborted: fail the unmatched recvs and sends of ``group``, each with its own ``error()``."""
+        waiting = self.waiting
         for lst in group.recvs.values():
             for w in lst:
+                waiting.discard(w)
                 w._resolve(exc=error())
         group.recvs.clear()
         for by_src in group.sends.values():
             for q in by_src.values():
                 for _, w in q:
+                    waiting.discard(w)
                     w._resolve(exc=error())
         group.sends.clear()
 
