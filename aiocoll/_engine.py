@@ -2,6 +2,17 @@
 and deadlock detection. It knows nothing of what an op does: it only compares call
 signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
 
+``World`` owns the groups, the ranks, the loop, the lock and the deadlines; it enters
+works (``post``), joins collectives to their rendezvous, and aborts. The rest is done
+by collaborators it owns, one job each, in their own modules (which do not import
+this one, and see its objects through protocols):
+
+- ``_runner.OpRunner``: runs ready ops in order, inline or off the loop, and releases
+  their ranks;
+- ``_p2p.P2PMatcher``: matches sends with recvs, and times out the unmatched;
+- ``_liveness.Liveness``: counts live and blocked ranks, and reports a deadlock;
+- ``_inject.FaultInjector``: holds back the works that faults hang or delay.
+
 Everything here runs on the world's event loop thread, or, for sync ranks that take
 turns (``_turns``), in the thread of the rank that holds the turn, under the world's
 ``lock`` (which the loop then takes too, for timers and ops it runs).
@@ -20,7 +31,6 @@ import asyncio
 import contextlib
 import contextvars
 import enum
-import functools
 import itertools
 import random
 import sys
@@ -34,19 +44,22 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _cuda, _device
+from . import _cuda
 from ._deadlines import Deadlines
 from ._errors import (
     AiocollError,
     BlockingCallError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    DeadlockError,
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
-from ._ops import Recv, Send, check_transfer, transfer
+from ._inject import FaultInjector
+from ._liveness import Liveness
+from ._ops import Recv, Send
+from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
+from ._runner import OpRunner
 from ._turns import TurnEvent, Turns
 
 __all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
@@ -161,6 +174,7 @@ class RankState:
         "injected",
         "issued",
         "live",
+        "liveness",
         "parked",
         "phase",
         "rank",
@@ -173,6 +187,7 @@ class RankState:
     def __init__(self, world: World, rank: int) -> None:
         self.rank = rank
         self.world = world
+        self.liveness = world.liveness  # told when this rank becomes live or blocked
         self.phase = Phase.RUNNING
         self.live = 0  # tasks (or threads) acting for this rank
         self.parked = 0  # of those, how many await an unfinished Work
@@ -195,11 +210,11 @@ class RankState:
         self.live += dlive
         self.parked += dparked
         now_blocked = self.blocked
-        w = self.world
-        w._n_blocked += now_blocked - was_blocked
-        w._n_live += (self.live > 0) - was_live
+        lv = self.liveness
+        lv.blocked += now_blocked - was_blocked
+        lv.live += (self.live > 0) - was_live
         if (now_blocked and not was_blocked) or (was_live and self.live == 0):
-            w._check_deadlock()
+            lv.check()
 
     # park/unpark, the two calls of every op, specialised from _change: a task that parks
     # or unparks is live, so parked < live before a park and live > 0 throughout
@@ -208,13 +223,13 @@ class RankState:
         """One of its tasks (or its thread) now waits for a Work."""
         self.parked += 1
         if self.parked == self.live:
-            w = self.world
-            w._n_blocked += 1
-            w._check_deadlock()
+            lv = self.liveness
+            lv.blocked += 1
+            lv.check()
 
     def unparked(self) -> None:
         if self.parked == self.live:
-            self.world._n_blocked -= 1
+            self.liveness.blocked -= 1
         self.parked -= 1
 
     def enter(self) -> None:
@@ -249,7 +264,7 @@ class RankState:
             "rank": self.rank,
             "state": state,
             "waiting": [f"{w._call.describe()} {w._where}" for w in self.waiting],
-            "waits_for": self.world._waits_for(self),
+            "waits_for": self.liveness.waits_for(self),
             "completed": self.completed,
         }
 
@@ -636,7 +651,8 @@ class Group:
             world.hybrid.attach(self)
         self.next_seq = [0] * self.size
         self.pending: dict[int, Rendezvous] = {}
-        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag)
+        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag); only
+        # the world's P2PMatcher changes them
         self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, Work]]]] = {}
         self.recvs: dict[tuple[int, int], list[Work]] = {}
         self._children: dict[Any, Group] = {}
@@ -667,16 +683,12 @@ class World:
         self.loop_thread = threading.get_ident()  # worlds are made on their loop's thread
         self.id = next(_world_ids)
         self.timeout = timeout
-        self.ranks = [RankState(self, r) for r in range(size)]
+        # live and blocked ranks, deadlock detection; before the ranks, which report to it
+        self.liveness: Liveness = Liveness(self)
+        self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
         self.hybrid: Hybrid | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
-        self.in_flight = 0
-        self._n_live = 0
-        self._n_blocked = 0
-        self._p2p_counter = itertools.count()
-        # unmatched sends and recvs, which time out (see _p2p_timed_out)
-        self._p2p_waiting: set[Work] = set()
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
         self.lock: threading.RLock | None = None
@@ -686,22 +698,32 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
-        # works a fault holds back: hung (None) or delayed (the timer that posts them)
-        self._held: dict[Work, asyncio.TimerHandle | None] = {}
+        # rendezvous whose calls disagree: reported once every rank has shown its call, or
+        # once the ranks missing are stuck elsewhere (explain_stall)
         self._mismatched: list[Rendezvous] = []
-        # ops run off the loop one at a time (see _serial): the works of the one running,
-        # and the ops that completed their rendezvous behind it
-        self._busy: Sequence[Work | None] | None = None
-        self._queue: deque[tuple[Sequence[Work | None], Callable[[], None]]] = deque()
-        self.inline_bytes = _device.INLINE_BYTES
-        # works waiting on other processes (hybrid worlds): collectives in an exchange, p2p
-        self._remote: set[Work] = set()
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
         self._named_lock = threading.Lock()
+        # The world's collaborators, one job each (and self.liveness, above). The per-op
+        # path reaches theirs through bound methods and a dict kept at hand here.
+        # runs ready ops in order, inline or off the loop, and releases their ranks
+        self.runner: OpRunner[Work] = OpRunner(self, loop, self.liveness)
+        # matches sends with recvs, and times out the unmatched
+        self.p2p: P2PMatcher[Work] = P2PMatcher(self, self.runner, self._all_groups, self._deadlines)
+        # holds back the works that faults hang or delay
+        self.injector: FaultInjector[Work] = FaultInjector(self, loop, timeout)
+        self._run = self.runner.run
+        self._send = self.p2p.send
+        self._recv = self.p2p.recv
+        self._held = self.injector.held  # park skips held works
 
     # -- collectives -----------------------------------------------------------------
+
+    @property
+    def inline_bytes(self) -> int:
+        """Ops moving more bytes run off the loop (the runner's setting; a hybrid bridge reads it too)."""
+        return self.runner.inline_bytes
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
@@ -744,9 +766,7 @@ class World:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
         elif bridge is not None and (fut := bridge.p2p(work)) is not None:
-            self.in_flight += 1  # the other process will answer, or the group's timeout will
-            self._remote.add(work)
-            fut.add_done_callback(functools.partial(self._p2p_bridged, work))
+            self.runner.remote(work, fut)  # the peer is in another process
         elif isinstance(call, Send):
             self._send(work)
         else:
@@ -776,52 +796,8 @@ class World:
             raise self.faults.exception(fault, info)
         if fault.kind == "hang":
             work._rank.injected = f"hung by an injected fault in {info.op} (its operation #{info.index})"
-        if self.on_loop_thread():
-            self._hold(work, fault)
-        elif self.lock is not None:
-            # a rank taking turns: held before it can wait on it (a wait on a held work
-            # is not counted as blocked)
-            with self.lock:
-                self._hold(work, fault)
-        else:
-            self.call_soon_threadsafe(self._hold, work, fault)
+        self.injector.hold(work, fault.seconds if fault.kind == "delay" else None)
         return work
-
-    def _hold(self, work: Work, fault: Fault) -> None:
-        if self.aborted is not None:
-            work._resolve(exc=self._aborted_error())
-            return
-        self._held[work] = None  # its timer, if any, is armed on the loop
-        if fault.kind == "delay" or self.timeout is not None:
-            if self.on_loop_thread():
-                self._arm_hold(work, fault)
-            else:
-                self.call_soon_threadsafe(self._arm_hold, work, fault)
-
-    def _arm_hold(self, work: Work, fault: Fault) -> None:
-        if work not in self._held:
-            return  # released by an abort meanwhile
-        if fault.kind == "delay":
-            self._held[work] = self.loop.call_later(fault.seconds, self.locked, self._release, work)
-        else:
-            assert self.timeout is not None
-            # The hung rank waits in its call too, and the timeout bounds that as any wait
-            # (alone in its world, nothing else would end it). Twice the timeout: the
-            # peers waiting for it time out first, and their report says more.
-            self._held[work] = self.loop.call_later(2 * self.timeout, self.locked, self._hang_timed_out, work)
-
-    def _hang_timed_out(self, work: Work) -> None:
-        assert self.timeout is not None
-        del self._held[work]
-        err = CollectiveTimeoutError(
-            f"rank {work._rank.rank} waited {2 * self.timeout}s in {work._call.describe()}: {work._rank.injected}"
-        )
-        work._resolve(exc=err)
-        self.abort(None, err)
-
-    def _release(self, work: Work) -> None:
-        del self._held[work]
-        self.post(work)
 
     def _join(self, work: Work) -> None:
         """Deposit the work's call for its group-rank at its next sequence number."""
@@ -844,7 +820,7 @@ class World:
             if sig != rdv.sig:
                 if not rdv.mismatched:
                     # Report once every rank has shown what it called, or as soon as the
-                    # missing ones are blocked elsewhere (see _check_deadlock).
+                    # missing ones are blocked elsewhere (see explain_stall).
                     rdv.mismatched = True
                     self._mismatched.append(rdv)
                 if rdv.stamp is not None:
@@ -879,168 +855,23 @@ class World:
         del rdv.group.pending[rdv.seq]
         if rdv.stamp is not None:
             rdv.stamp.last = _now()
-        if rdv.group.bridge is not None:
+        bridge = rdv.group.bridge
+        if bridge is not None:
             if rdv.mismatched:
                 self._mismatched.remove(rdv)
-            self._bridged(rdv)
+            # every local member arrived: the bridge fetches the other processes' calls and runs the op
+            self.runner.exchange(rdv, bridge.run(rdv))
             return
         op = type(rdv.calls[0])
         problem = op.check(rdv.calls)
         if problem is not None:
             self._fail_rendezvous(rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}")
             return
-        if self._busy is None:  # the common case, inlined: nothing runs off the loop
-            self._execute(rdv, op)
-        else:
-            self._serial(rdv.works, functools.partial(self._execute, rdv, op))
-
-    # -- running ops, in issue order ---------------------------------------------------
-
-    def _serial(self, works: Sequence[Work | None], fn: Callable[[], None]) -> None:
-        """Run ``fn`` now, or after the op running off the loop and those queued behind it.
-
-        Ops complete in the order their rendezvous completed, as they would inline: a
-        rank may issue two collectives on one tensor without awaiting the first.
-        """
-        if self._busy is None and not self._queue:
-            fn()
-        else:
-            self.in_flight += 1  # queued: it will complete, so no deadlock meanwhile
-            self._queue.append((works, fn))
-
-    def _execute(self, rdv: Rendezvous, op: Any) -> None:
-        where = _device.placement(rdv.calls, self.inline_bytes)
-        if where is _device.Placement.INLINE or (
-            # a rank thread taking turns runs CPU ops itself: no rank runs meanwhile, and
-            # the loop it would spare is not in its way
-            where is _device.Placement.THREAD and self.lock is not None and not self.on_loop_thread()
-        ):
-            try:
-                results = op.run(rdv.calls)
-            except Exception as e:
-                self._op_failed(rdv.works, e)
-                return
-            self._finish(rdv, results)
-            return
-        self._busy = rdv.works
-        self.in_flight += 1
-        if not self.on_loop_thread():  # a rank thread taking turns: streams are polled from the loop
-            self.call_soon_threadsafe(self._start_off_loop, rdv, op, where)
-        else:
-            self._start_off_loop(rdv, op, where)
-
-    def _start_off_loop(self, rdv: Rendezvous, op: Any, where: _device.Placement) -> None:
-        if self.aborted is not None:
-            self._busy = None
-            self.in_flight -= 1
-            return
-        if where is _device.Placement.CUDA:
-            fut = _device.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
-            for w in rdv.works:
-                if w is not None:
-                    w._enqueued()
-        else:
-            fut = _device.run_in_worker(self.loop, op.run, rdv.calls)
-        fut.add_done_callback(functools.partial(self.locked, self._ran, rdv))
-
-    def _ran(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
-        """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
-        self._busy = None
-        self.in_flight -= 1
-        # (cancelled: the CUDA poller was stopped, or the executor shut down with the loop)
-        exc = WorldAbortedError(f"{rdv.where}: the op was cancelled") if fut.cancelled() else fut.exception()
-        if self.aborted is not None:
-            pass  # its ranks were released by the abort
-        elif exc is not None:
-            self._op_failed(rdv.works, exc)
-        else:
-            self._finish(rdv, fut.result())
-        while self._queue and self._busy is None:
-            _, fn = self._queue.popleft()
-            self.in_flight -= 1
-            fn()
-        self._check_deadlock()
-
-    def _op_failed(self, works: Sequence[Work | None], e: BaseException) -> None:
-        # Arguments were validated before the call joined, so this is unexpected: keep the
-        # original error type for every rank, and abort the world.
-        for w in works:
-            if w is not None:
-                w._resolve(exc=e)
-        self.abort(None, e)
-
-    def _bridged(self, rdv: Rendezvous) -> None:
-        """Every local member arrived; the bridge fetches the other processes' calls and runs the op."""
-        assert rdv.group.bridge is not None
-        self.in_flight += 1  # the exchange will end (or fail): no deadlock meanwhile
-        self._remote.update(w for w in rdv.works if w is not None)
-        fut = rdv.group.bridge.run(rdv)
-        fut.add_done_callback(functools.partial(self._bridge_done, rdv))
-
-    def _bridge_done(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
-        self.in_flight -= 1
-        self._remote.difference_update(rdv.works)
-        exc = None if fut.cancelled() else fut.exception()
-        if self.aborted is not None:
-            pass  # its ranks were released by the abort
-        elif fut.cancelled():
-            self._op_failed(
-                rdv.works, WorldAbortedError(f"{rdv.where}: the exchange with other processes was cancelled")
-            )
-        elif isinstance(exc, CollectiveMismatchError):
-            self._fail_rendezvous(rdv, CollectiveMismatchError, str(exc))
-        elif exc is not None:
-            self._op_failed(rdv.works, exc)
-        else:
-            self._finish(rdv, fut.result())
-        self._check_deadlock()
-
-    def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
-        if self.rng is not None and self.turns is None:  # (ranks that take turns are shuffled by turns)
-            self._resolve_shuffled(rdv.works, results)
-        else:
-            for w, res in zip(rdv.works, results, strict=True):
-                if w is not None:  # None: a member in another process (hybrid worlds)
-                    w._resolve(res)
-                    w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
-        if rdv.stamp is not None:
-            rdv.stamp.done = _now()
-            rdv.stamp.outcome = "ok"
-
-    def _resolve_shuffled(self, works: list[Work | None], results: list[Any]) -> None:
-        """A seeded schedule: release the ranks in a random order, some a few loop turns late.
-
-        The order in which ranks are released is the order in which they run next, so
-        this reorders what the ranks do after each collective, reproducibly per seed.
-        """
-        assert self.rng is not None
-        pairs = [(w, res) for w, res in zip(works, results, strict=True) if w is not None]
-        self.rng.shuffle(pairs)
-        for w, res in pairs:
-            w._rdv = None
-            turns = self.rng.randrange(3)
-            if turns:
-                self.in_flight += 1  # a release on its way: not a deadlock meanwhile
-                self.loop.call_soon(self._release_later, w, res, turns - 1)
-            else:
-                w._resolve(res)
-
-    def _release_later(self, w: Work, res: Any, turns: int) -> None:
-        if turns:
-            self.loop.call_soon(self._release_later, w, res, turns - 1)
-            return
-        self.in_flight -= 1
-        w._resolve(res)
+        self._run(rdv, op)
 
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
-        first: AiocollError | None = None
-        for w in rdv.works:
-            if w is not None:
-                e = cls(message)
-                first = first or e
-                w._resolve(exc=e)
-        self.abort(None, first or cls(message))
+        self.runner.fail_each(rdv.works, cls, message)
 
     def _timed_out(self, rdv: Rendezvous) -> None:
         if rdv.mismatched:
@@ -1054,136 +885,19 @@ class World:
             f"ranks {arrived} arrived, ranks {rdv.missing()} did not:\n{rdv.table()}",
         )
 
-    # -- point to point --------------------------------------------------------------
-
-    def _send(self, work: Work) -> None:
-        group, src, call = work._group, work._grank, work._call
-        key = (call.dst, call.tag)
-        recvs = group.recvs.get(key)
-        if recvs:
-            for i, rw in enumerate(recvs):
-                if rw._call.src is None or rw._call.src == src:
-                    del recvs[i]
-                    self._match(group, src, work, rw)
-                    return
-        q = group.sends.setdefault(key, {}).setdefault(src, deque())
-        q.append((next(self._p2p_counter), work))
-        self._arm_p2p_timer(work)
-
-    def _recv(self, work: Work) -> None:
-        group, dst, call = work._group, work._grank, work._call
-        by_src = group.sends.get((dst, call.tag))
-        if by_src:
-            if call.src is not None:
-                q = by_src.get(call.src)
-                src = call.src if q else None
-            else:
-                # any source: the earliest unmatched send, whoever sent it
-                heads = [(q[0][0], s) for s, q in by_src.items() if q]
-                if not heads:
-                    src = None
-                elif self.rng is not None:  # a seeded schedule: any queued sender may win
-                    src = self.rng.choice(heads)[1]
-                else:
-                    src = min(heads)[1]
-            if src is not None:
-                _, sw = by_src[src].popleft()
-                self._match(group, src, sw, work)
-                return
-        group.recvs.setdefault((dst, call.tag), []).append(work)
-        self._arm_p2p_timer(work)
-
-    def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
-        for w in (sw, rw):
-            self._p2p_waiting.discard(w)
-            if w._stamp is not None:
-                w._stamp.last = _now()  # both sides are here
-        problem = check_transfer(sw._call, rw._call)
-        if problem is not None:
-            msg = (
-                f"{problem} on group {group.name!r}:\n"
-                f"  rank {src}: {sw._call.describe()} at {fmt_site(sw._site)}\n"
-                f"  rank {sw._call.dst}: {rw._call.describe()} at {fmt_site(rw._site)}"
-            )
-            errs = [CollectiveMismatchError(msg), CollectiveMismatchError(msg)]
-            sw._resolve(exc=errs[0])
-            rw._resolve(exc=errs[1])
-            self.abort(None, errs[0])
-            return
-        if self._busy is None:
-            self._transfer(src, sw, rw)
-        else:
-            self._serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
-
-    def _transfer(self, src: int, sw: Work, rw: Work) -> None:
-        try:
-            transfer(sw._call, rw._call)
-        except Exception as e:
-            self._op_failed((sw, rw), e)
-            return
-        sw._resolve(None)
-        rw._resolve(src)
-        for w in (sw, rw):
-            if w._stamp is not None:
-                w._stamp.done = _now()
-                w._stamp.outcome = "ok"
-
-    def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
-        self.in_flight -= 1
-        self._remote.discard(work)
-        exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()
-        if exc is not None:
-            self._op_failed((work,), exc)
-        else:
-            work._resolve(fut.result())
-            if work._stamp is not None:
-                work._stamp.last = work._stamp.done = _now()
-                work._stamp.outcome = "ok"
-        self._check_deadlock()
-
-    def _arm_p2p_timer(self, work: Work) -> None:
-        if self._deadlines is not None:
-            self._p2p_waiting.add(work)
-            self._deadlines.add(work)
+    # -- deadlines, groups ----------------------------------------------------------
 
     def _still_pending(self, item: Rendezvous | Work) -> bool:
         """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
         if isinstance(item, Rendezvous):
             return item.pending
-        return item in self._p2p_waiting
+        return item in self.p2p.waiting
 
     def _expired(self, item: Rendezvous | Work) -> None:
         if isinstance(item, Rendezvous):
             self._timed_out(item)
         else:
-            self._p2p_timed_out(item)
-
-    def _p2p_timed_out(self, work: Work) -> None:
-        self._p2p_waiting.discard(work)
-        if work.done():
-            return
-        call, g = work._call, work._group
-        peer = call.dst if isinstance(call, Send) else call.src
-        if peer is None:
-            who = "no rank sent to it"
-        else:
-            who = f"rank {g.ranks[peer]} did not match it ({self.ranks[g.ranks[peer]].status()})"
-        err = CollectiveTimeoutError(f"rank {work._rank.rank} waited {self.timeout}s in {work.describe()}; {who}")
-        self._remove_p2p(work)
-        work._resolve(exc=err)
-        self.abort(None, err)
-
-    def _remove_p2p(self, work: Work) -> None:
-        for g in self._all_groups():
-            for lst in g.recvs.values():
-                if work in lst:
-                    lst.remove(work)
-            for by_src in g.sends.values():
-                for q in by_src.values():
-                    for item in q:
-                        if item[1] is work:
-                            q.remove(item)
-                            break
+            self.p2p.timed_out(item)
 
     def named_group(self, name: str, ranks: Sequence[int]) -> Group:
         """The group every rank names ``name`` over ``ranks`` (global), made on first use."""
@@ -1231,32 +945,11 @@ class World:
                     if w is not None:
                         w._resolve(exc=self._aborted_error())
             g.pending.clear()
-            for lst in g.recvs.values():
-                for w in lst:
-                    w._resolve(exc=self._aborted_error())
-            g.recvs.clear()
-            for by_src in g.sends.values():
-                for q in by_src.values():
-                    for _, w in q:
-                        w._resolve(exc=self._aborted_error())
-            g.sends.clear()
-        # An op running off the loop (or an exchange with other processes) cannot be
-        # stopped; its ranks are released now, and what it writes when it ends goes
-        # nowhere. Queued ops never start.
-        for works in [self._busy or (), *(ws for ws, _ in self._queue), list(self._remote)]:
-            for w in works:
-                if w is not None:
-                    w._resolve(exc=self._aborted_error())
-        self.in_flight -= len(self._queue)
-        self._queue.clear()
-        self._p2p_waiting.clear()
+            self.p2p.drop(g, self._aborted_error)
+        self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
         if self._deadlines is not None:
             self._deadlines.clear()
-        for w, timer in self._held.items():
-            if timer is not None:
-                timer.cancel()
-            w._resolve(exc=self._aborted_error())
-        self._held.clear()
+        self.injector.abort(self._aborted_error)
         # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by
         # one loop turn so the ranks just released above first see their error (a
@@ -1297,66 +990,27 @@ class World:
         err.__cause__ = asyncio.CancelledError()
         self.abort(work._rank.rank, err)
 
-    def _check_deadlock(self) -> None:
-        if self._n_blocked != self._n_live or self.in_flight or self.aborted is not None:
-            return
-        if self._n_live == 0:
-            return
-        if self._mismatched:
-            self._report_mismatch(self._mismatched[0])
-            return
-        message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
-        first: DeadlockError | None = None
-        for st in self.ranks:
-            for w in list(st.waiting):
-                e = DeadlockError(message)
-                first = first or e
-                w._resolve(exc=e)
-        assert first is not None
-        self.abort(None, first)
+    def explain_stall(self) -> bool:
+        """Every live rank waits: report the mismatched collective behind it, if any (true if so).
+
+        A rank that called the wrong collective then waits in its next one; the mismatch
+        says more than a deadlock would.
+        """
+        if not self._mismatched:
+            return False
+        self._report_mismatch(self._mismatched[0])
+        return True
 
     # -- reporting -----------------------------------------------------------------
 
-    def table(self) -> str:
-        """One line per rank: what it is doing or waiting for."""
-        lines = []
-        for st in self.ranks:
-            line = f"  rank {st.rank}: {st.status()}"
-            extra = self._waiting_for(st)
-            if extra:
-                line += f" -- {extra}"
-            lines.append(line)
-        return "\n".join(lines)
+    # (the liveness keeps the counts; statistics() reads them here)
+    @property
+    def _n_live(self) -> int:
+        return self.liveness.live
 
-    @staticmethod
-    def _peers(w: Work) -> tuple[str, list[int]]:
-        """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
-        g, call = w._group, w._call
-        if w._rdv is not None:
-            return "collective", [g.ranks[r] for r in w._rdv.missing()]
-        if isinstance(call, Recv):
-            return "recv", [] if call.src is None else [g.ranks[call.src]]
-        if isinstance(call, Send):
-            return "send", [g.ranks[call.dst]]
-        return "other", []
-
-    def _waits_for(self, st: RankState) -> list[int]:
-        """The global ranks whose calls the works ``st`` waits on still need."""
-        return sorted({r for w in st.waiting for r in self._peers(w)[1]})
-
-    def _waiting_for(self, st: RankState) -> str:
-        if not st.blocked:
-            return ""
-        parts = []
-        for w in st.waiting:
-            kind, ranks = self._peers(w)
-            if kind == "collective":
-                parts.append(f"waits for ranks {ranks}")
-            elif kind == "recv":
-                parts.append(f"waits for a send from {f'rank {ranks[0]}' if ranks else 'any rank'}")
-            elif kind == "send":
-                parts.append(f"waits for rank {ranks[0]} to recv")
-        return "; ".join(parts)
+    @property
+    def _n_blocked(self) -> int:
+        return self.liveness.blocked
 
     def pending_works(self) -> list[Work]:
         """Every work still waiting for a peer, collectives first."""

@@ -1,0 +1,146 @@
+"""Fault injection as the engine applies it: works that a fault hangs or delays are held back.
+
+``_faults`` decides which operation a fault hits (``FaultPlan.check``); the world then
+raises for a ``fail`` and hands a ``hang`` or a ``delay`` to its ``FaultInjector``, which
+keeps the work out of the engine: a delayed work is entered (``World.post``) when its
+timer fires, a hung one never is. A rank waiting on a held work is not counted as
+blocked (it is stuck or late, not waiting for a peer), so the world checks ``held`` on
+every park.
+
+A hung work times out after twice the world's timeout (its peers, waiting for it, time
+out first and say more); an abort fails every held work and cancels the timers.
+
+Nothing here imports the engine: it knows works and the world through the small
+protocols below, which ``Work`` and ``World`` satisfy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from ._errors import CollectiveTimeoutError
+
+__all__ = ["FaultInjector"]
+
+
+class _Rank(Protocol):
+    @property
+    def rank(self) -> int: ...
+    @property
+    def injected(self) -> str | None:
+        """What an injected fault did to the rank, if it hung."""
+        ...
+
+
+class HeldWork(Protocol):
+    """A work, as the injector reads it."""
+
+    @property
+    def _rank(self) -> _Rank: ...
+    @property
+    def _call(self) -> Any: ...
+    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
+
+
+W = TypeVar("W", bound=HeldWork)
+_W_contra = TypeVar("_W_contra", bound=HeldWork, contravariant=True)
+
+
+class _Engine(Protocol[_W_contra]):
+    """What the injector needs of its world: its threads and lock, entering a work, abort."""
+
+    @property
+    def lock(self) -> threading.RLock | None:
+        """Set when rank threads run the engine (taking turns)."""
+        ...
+
+    @property
+    def aborted(self) -> BaseException | None: ...
+    def on_loop_thread(self) -> bool: ...
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: Any) -> None: ...
+    def locked(self, fn: Callable[..., object], *args: Any) -> None: ...
+    def post(self, work: _W_contra) -> object: ...
+    def abort(self, rank: int | None, cause: BaseException) -> None: ...
+    def _aborted_error(self) -> BaseException: ...
+
+
+class FaultInjector(Generic[W]):
+    """Holds back the works that faults hang or delay, and enters a delayed one when its time comes."""
+
+    __slots__ = ("_engine", "_loop", "_timeout", "held")
+
+    def __init__(self, engine: _Engine[W], loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._timeout = timeout
+        # held works: hung, or delayed, with the timer that ends the hold (None until it is
+        # armed on the loop)
+        self.held: dict[W, asyncio.TimerHandle | None] = {}
+
+    def hold(self, work: W, delay: float | None) -> None:
+        """Keep ``work`` out of the engine: enter it ``delay`` seconds from now, or never (None: hung).
+
+        Any thread: the rank's own, as it issues the work.
+        """
+        engine = self._engine
+        if engine.on_loop_thread():
+            self._hold(work, delay)
+        elif engine.lock is not None:
+            # a rank taking turns: held before it can wait on it (a wait on a held work
+            # is not counted as blocked)
+            with engine.lock:
+                self._hold(work, delay)
+        else:
+            engine.call_soon_threadsafe(self._hold, work, delay)
+
+    def _hold(self, work: W, delay: float | None) -> None:
+        engine = self._engine
+        if engine.aborted is not None:
+            work._resolve(exc=engine._aborted_error())
+            return
+        self.held[work] = None  # its timer, if any, is armed on the loop
+        if delay is not None or self._timeout is not None:
+            if engine.on_loop_thread():
+                self._arm(work, delay)
+            else:
+                engine.call_soon_threadsafe(self._arm, work, delay)
+
+    def _arm(self, work: W, delay: float | None) -> None:
+        if work not in self.held:
+            return  # released by an abort meanwhile
+        locked = self._engine.locked
+        if delay is not None:
+            self.held[work] = self._loop.call_later(delay, locked, self._release, work)
+        else:
+            assert self._timeout is not None
+            # The hung rank waits in its call too, and the timeout bounds that as any wait
+            # (alone in its world, nothing else would end it). Twice the timeout: the
+            # peers waiting for it time out first, and their report says more.
+            self.held[work] = self._loop.call_later(2 * self._timeout, locked, self._hang_timed_out, work)
+
+    def _hang_timed_out(self, work: W) -> None:
+        assert self._timeout is not None
+        del self.held[work]
+        err = CollectiveTimeoutError(
+            f"rank {work._rank.rank} waited {2 * self._timeout}s in {work._call.describe()}: {work._rank.injected}"
+        )
+        work._resolve(exc=err)
+        self._engine.abort(None, err)
+
+    def _release(self, work: W) -> None:
+        del self.held[work]
+        self._engine.post(work)
+
+    def abort(self, error: Callable[[], BaseException]) -> None:
+        """The world was aborted: fail every held work (each with its own ``error()``), stop the timers."""
+        for w, timer in self.held.items():
+            if timer is not None:
+                timer.cancel()
+            w._resolve(exc=error())
+        self.held.clear()
+
+    def __repr__(self) -> str:
+        return f"<FaultInjector held={len(self.held)} timeout={self._timeout}>"

@@ -1,0 +1,162 @@
+"""Liveness and deadlock detection: how many ranks are live and blocked, and who waits for whom.
+
+The engine's invariant (see ``_engine``): a Work only completes when some rank makes a
+call, or when an op already under way ends. So once every live rank is blocked and no
+op is in flight, nothing can ever complete: that is a deadlock, reported at once with
+a table of what each rank waits for.
+
+Each rank keeps its own counts (tasks live, tasks parked: ``RankState``); it tells the
+``Liveness`` of its world when it becomes live or blocked, which keeps the world's
+totals. The check is two integer compares on the common path: the full test runs only
+when the last live rank blocks.
+
+Nothing here imports the engine: it knows ranks, works and the world through the small
+protocols below, which ``RankState``, ``Work`` and ``World`` satisfy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ._errors import DeadlockError
+from ._ops import Recv, Send
+
+__all__ = ["Liveness"]
+
+
+class _Meeting(Protocol):
+    """A rendezvous, as far as a waiting work's report needs it."""
+
+    def missing(self) -> list[int]:
+        """The group-ranks that have not arrived."""
+        ...
+
+
+class _Members(Protocol):
+    @property
+    def ranks(self) -> Sequence[int]:
+        """The global rank of each group-rank."""
+        ...
+
+
+class _Waiter(Protocol):
+    """A pending work, as the deadlock report reads it."""
+
+    @property
+    def _rdv(self) -> _Meeting | None: ...
+    @property
+    def _group(self) -> _Members: ...
+    @property
+    def _call(self) -> object: ...
+    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
+
+
+class _Member(Protocol):
+    """A rank, as the deadlock report reads it."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def blocked(self) -> bool: ...
+    @property
+    def waiting(self) -> Sequence[_Waiter]: ...
+    def status(self) -> str: ...
+
+
+class _Engine(Protocol):
+    """What the check needs of its world: whether something else will move, and how to stop it."""
+
+    @property
+    def ranks(self) -> Sequence[_Member]: ...
+    @property
+    def aborted(self) -> BaseException | None: ...
+    def abort(self, rank: int | None, cause: BaseException) -> None: ...
+    def explain_stall(self) -> bool:
+        """Every live rank waits: fail what explains it better than a deadlock (a mismatch); true if it did."""
+        ...
+
+
+class Liveness:
+    """The world's count of live and blocked ranks; reports a deadlock when they are equal and nothing moves.
+
+    Ranks report to it as they become live or blocked (``RankState``), the op runner as
+    ops start and stop being in flight (``OpRunner``).
+    """
+
+    __slots__ = ("_world", "blocked", "in_flight", "live")
+
+    def __init__(self, world: _Engine) -> None:
+        self._world = world
+        self.live = 0  # ranks with some task or thread acting for them
+        self.blocked = 0  # of those, ranks whose every task or thread waits for a Work
+        # ops under way that will complete with no rank's call (off the loop, queued behind
+        # one, in other processes, a release on its way): not a deadlock meanwhile
+        self.in_flight = 0
+
+    def check(self) -> None:
+        """Fail every waiting work with a ``DeadlockError`` and abort, if nothing can complete any more.
+
+        Called when a rank becomes blocked or stops being live, and when an op in flight ends.
+        """
+        if self.blocked != self.live or self.live == 0:
+            return  # the common case: some rank can still make a call
+        world = self._world
+        if self.in_flight or world.aborted is not None or world.explain_stall():
+            return
+        message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
+        first: DeadlockError | None = None
+        for st in world.ranks:
+            for w in list(st.waiting):
+                e = DeadlockError(message)
+                first = first or e
+                w._resolve(exc=e)
+        assert first is not None
+        world.abort(None, first)
+
+    # -- reports ---------------------------------------------------------------------
+
+    def table(self) -> str:
+        """One line per rank: what it is doing or waiting for."""
+        lines = []
+        for st in self._world.ranks:
+            line = f"  rank {st.rank}: {st.status()}"
+            extra = self.waiting_for(st)
+            if extra:
+                line += f" -- {extra}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    @staticmethod
+    def peers(w: _Waiter) -> tuple[str, list[int]]:
+        """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
+        g, call = w._group, w._call
+        if w._rdv is not None:
+            return "collective", [g.ranks[r] for r in w._rdv.missing()]
+        if isinstance(call, Recv):
+            return "recv", [] if call.src is None else [g.ranks[call.src]]
+        if isinstance(call, Send):
+            return "send", [g.ranks[call.dst]]
+        return "other", []
+
+    def waits_for(self, st: _Member) -> list[int]:
+        """The global ranks whose calls the works ``st`` waits on still need."""
+        return sorted({r for w in st.waiting for r in self.peers(w)[1]})
+
+    def waiting_for(self, st: _Member) -> str:
+        """Whom a blocked rank waits for, in words (empty if it is not blocked)."""
+        if not st.blocked:
+            return ""
+        parts = []
+        for w in st.waiting:
+            kind, ranks = self.peers(w)
+            if kind == "collective":
+                parts.append(f"waits for ranks {ranks}")
+            elif kind == "recv":
+                parts.append(f"waits for a send from {f'rank {ranks[0]}' if ranks else 'any rank'}")
+            elif kind == "send":
+                parts.append(f"waits for rank {ranks[0]} to recv")
+        return "; ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"<Liveness live={self.live} blocked={self.blocked} in_flight={self.in_flight}>"
