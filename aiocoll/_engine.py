@@ -935,7 +935,7 @@ class World:
             self.in_flight -= 1
             return
         if where is _device.Placement.CUDA:
-            fut = _device.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
+            fut = _cuda.run_cuda(self.loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
             for w in rdv.works:
                 if w is not None:
                     w._enqueued()
