@@ -153,7 +153,7 @@ class Comm:
         work._cuda = _cuda.issue(call)
         faults = self._world.faults
         if faults is not None:
-            hit = faults.check(work)
+            hit = faults.check(work._rank.rank, call.name, self._group.name)
             if hit is not None:
                 return self._world.inject(*hit, work)
         if self._threaded:
