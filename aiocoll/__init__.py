@@ -31,6 +31,7 @@ from ._errors import (
 from ._faults import Fault, InjectedFault, OpInfo
 from ._pg import from_process_group
 from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
+from ._stats import RankStatistics, Statistics
 
 register()  # the torch.distributed backend "aiocoll"
 
@@ -52,7 +53,9 @@ __all__ = [
     "InjectedFault",
     "InvalidArgumentError",
     "OpInfo",
+    "RankStatistics",
     "SeedFailure",
+    "Statistics",
     "TorchCompatError",
     "Work",
     "WorldAbortedError",

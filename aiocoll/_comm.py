@@ -12,6 +12,7 @@ from . import _cuda
 from . import _ops as ops
 from ._engine import Group, Site, Work, World, call_site, current_rank_state
 from ._errors import AiocollError, InvalidArgumentError
+from ._stats import Statistics
 
 __all__ = ["Comm", "rank_generator"]
 
@@ -76,15 +77,15 @@ class Comm:
     def __repr__(self) -> str:
         return f"<Comm rank={self.rank}/{self.world_size} group={self._group.name!r}>"
 
-    def statistics(self) -> dict[str, Any]:
-        """A snapshot of the whole world: each rank's state and what it waits for.
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the whole world: each rank's state and what it waits for.
 
-        ``result["ranks"][r]`` is a dict with ``state`` ("running", "blocked",
+        ``result.ranks[r]`` is a ``RankStatistics``: ``state`` ("running", "blocked",
         "returned" or "failed"), ``waiting`` (the ops it waits in), ``waits_for`` (the
         global ranks those ops still need) and ``completed`` (its ops done so far)::
 
-            for r in comm.statistics()["ranks"]:
-                print(r["rank"], r["state"], r["waiting"], r["waits_for"])
+            for r in comm.statistics().ranks:
+                print(r.rank, r.state, r.waiting, r.waits_for)
         """
         return self._world.statistics()
 

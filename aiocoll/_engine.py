@@ -47,6 +47,7 @@ from ._errors import (
 from ._faults import Fault, FaultPlan, OpInfo
 from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
+from ._stats import RankStatistics, StateName, Statistics
 from ._turns import TurnEvent, Turns
 
 __all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
@@ -104,6 +105,14 @@ class Phase(enum.Enum):
     RETURNED = "returned"
     FAILED = "failed"
     REMOTE = "in another process"  # a rank of a hybrid world that another process runs
+
+
+_STATE_NAMES: dict[Phase, StateName] = {
+    Phase.RUNNING: "running",
+    Phase.RETURNED: "returned",
+    Phase.FAILED: "failed",
+    Phase.REMOTE: "remote",
+}
 
 
 class _Latch:
@@ -240,18 +249,16 @@ class RankState:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
         return self.injected or "running"
 
-    def snapshot(self) -> dict[str, Any]:
-        """What this rank is doing now, as plain data (for monitors and reports)."""
-        state = self.phase.name.lower()
-        if self.phase is Phase.RUNNING and self.blocked:
-            state = "blocked"
-        return {
-            "rank": self.rank,
-            "state": state,
-            "waiting": [f"{w._call.describe()} {w._where}" for w in self.waiting],
-            "waits_for": self.world._waits_for(self),
-            "completed": self.completed,
-        }
+    def snapshot(self) -> RankStatistics:
+        """What this rank is doing now, frozen (for monitors and reports)."""
+        state: StateName = "blocked" if self.phase is Phase.RUNNING and self.blocked else _STATE_NAMES[self.phase]
+        return RankStatistics(
+            self.rank,
+            state,
+            tuple(f"{w._call.describe()} {w._where}" for w in self.waiting),
+            tuple(self.world._waits_for(self)),
+            self.completed,
+        )
 
     def __repr__(self) -> str:
         return f"<RankState rank={self.rank} {self.status()}>"
@@ -1367,26 +1374,26 @@ class World:
             out += [w for by in g.sends.values() for q in by.values() for _, w in q]
         return out
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> Statistics:
         """A snapshot: rank states, pending collectives and p2p ops."""
         groups = self._all_groups()
-        return {
-            "size": self.size,
-            "aborted": self.aborted is not None,
-            "live_ranks": self._n_live,
-            "blocked_ranks": self._n_blocked,
-            "pending_collectives": sum(len(g.pending) for g in groups),
-            "pending_p2p": sum(len(v) for g in groups for v in g.recvs.values())
+        return Statistics(
+            size=self.size,
+            aborted=self.aborted is not None,
+            live_ranks=self._n_live,
+            blocked_ranks=self._n_blocked,
+            pending_collectives=sum(len(g.pending) for g in groups),
+            pending_p2p=sum(len(v) for g in groups for v in g.recvs.values())
             + sum(len(q) for g in groups for by in g.sends.values() for q in by.values()),
-            "ranks": [st.snapshot() for st in self.ranks],
-        }
+            ranks=tuple(st.snapshot() for st in self.ranks),
+        )
 
     def __repr__(self) -> str:
         s = self.statistics()
-        state = "aborted" if s["aborted"] else "live"
+        state = "aborted" if s.aborted else "live"
         return (
-            f"<World size={self.size} {state} live={s['live_ranks']} blocked={s['blocked_ranks']} "
-            f"pending={s['pending_collectives']}>"
+            f"<World size={s.size} {state} live={s.live_ranks} blocked={s.blocked_ranks} "
+            f"pending={s.pending_collectives}>"
         )
 
 

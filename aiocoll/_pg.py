@@ -48,6 +48,7 @@ from ._errors import (
     InvalidArgumentError,
     WorldAbortedError,
 )
+from ._stats import RankStatistics, Statistics
 
 __all__ = [
     "Issuer",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 _R = dist.ReduceOp
+_P2P = (ops.Send, ops.Recv)
 _Done = Callable[[BaseException | None], None]
 
 
@@ -401,7 +403,7 @@ class Issuer:
         self.backend = str(dist.get_backend(pg))
         self.global_ranks = tuple(dist.get_process_group_ranks(pg))
         self.timeout: timedelta | None = None
-        self.pending: set[asyncio.Future[Any]] = set()
+        self.pending: dict[asyncio.Future[Any], ops.Call] = {}  # ops not complete yet, and their calls
         self.completed = 0
         self.groups_made = 0  # new_group/split calls so far: names the groups they make
         self._busy = False  # a multi-step op holds the group's order until it ends
@@ -447,7 +449,7 @@ class Issuer:
                 ) from None
         plan, steps = self._plan(call)  # raises InvalidArgumentError before anything is sent
         fut: asyncio.Future[Any] = loop.create_future()
-        self.pending.add(fut)
+        self.pending[fut] = call
         if self._busy:
             self._queue.append((plan, steps, call, fut, loop))
         else:
@@ -498,7 +500,7 @@ class Issuer:
                 result = post()  # write-backs happen even if the awaiting task was cancelled
             except BaseException as e:
                 exc = e
-        self.pending.discard(fut)
+        self.pending.pop(fut, None)
         self.completed += 1
         if fut.done():
             return
@@ -953,21 +955,31 @@ class ProcessGroupComm(Comm):
     def __repr__(self) -> str:
         return f"<Comm rank={self.rank}/{self.world_size} group={self.group_name!r} backend={self.backend}>"
 
-    def statistics(self) -> dict[str, Any]:
-        """This process's view of the group: its rank, ops pending and completed.
+    def statistics(self) -> Statistics:
+        """This process's view of the group, frozen: its ops pending and completed.
 
-        ``{"rank": 0, "world_size": 2, "group": "0", "backend": "gloo", "pending": 1,
-        "completed": 12}``: peers live in other processes, so their state is not known.
+        Peers live in other processes, so their state is not known: they are ``"remote"``
+        in ``ranks``, and this rank is the one that is not::
+
+            s = comm.statistics()
+            me = s.ranks[comm.rank]          # state "running", completed = ops done here
+            print(s.backend, s.pending_collectives, s.pending_p2p, me.completed)
         """
         iss = self._iss
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "group": iss.name,
-            "backend": iss.backend,
-            "pending": len(iss.pending),
-            "completed": iss.completed,
-        }
+        p2p = sum(isinstance(c, _P2P) for c in iss.pending.values())
+        return Statistics(
+            size=self.world_size,
+            aborted=False,
+            live_ranks=1,
+            blocked_ranks=0,
+            pending_collectives=len(iss.pending) - p2p,
+            pending_p2p=p2p,
+            ranks=tuple(
+                RankStatistics(g, "running", completed=iss.completed) if r == self.rank else RankStatistics(g, "remote")
+                for r, g in enumerate(iss.global_ranks)
+            ),
+            backend=iss.backend,
+        )
 
     def _join(self, call: Any) -> Work:
         site = self._site()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import doctest
 import importlib
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import aiocoll
-from aiocoll import Comm
+from aiocoll import Comm, RankStatistics, Statistics
 
 
 def test_public_names() -> None:
@@ -28,7 +29,9 @@ def test_public_names() -> None:
         "InvalidArgumentError",
         "TorchCompatError",
         "OpInfo",
+        "RankStatistics",
         "SeedFailure",
+        "Statistics",
         "Work",
         "WorldAbortedError",
         "__version__",
@@ -147,7 +150,7 @@ def test_reduce_leaves_non_destination_untouched(loop: str) -> None:
 
 
 def test_statistics_snapshot(loop: str) -> None:
-    async def fn(comm: Comm) -> dict[str, object] | None:
+    async def fn(comm: Comm) -> dict[str, Statistics] | None:
         if comm.rank == 1:
             ready.set()
             await comm.all_reduce(torch.ones(1))  # blocks: rank 0 has not arrived
@@ -161,14 +164,54 @@ def test_statistics_snapshot(loop: str) -> None:
     res = aiocoll.spawn(fn, world=2, loop=loop)[0]
     assert res is not None
     before, after = res["before"], res["after"]
-    assert isinstance(before, dict)
-    assert isinstance(after, dict)
-    r0, r1 = before["ranks"]
-    assert r0 == {"rank": 0, "state": "running", "waiting": [], "waits_for": [], "completed": 0}
-    assert r1["state"] == "blocked"
-    assert r1["waiting"] == ["all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world'"]
-    assert r1["waits_for"] == [0]
-    assert before["blocked_ranks"] == 1
-    assert before["pending_collectives"] == 1
-    assert [r["completed"] for r in after["ranks"]] == [1, 1]
-    assert after["pending_collectives"] == 0
+    assert isinstance(before, Statistics)
+    assert isinstance(after, Statistics)
+    r0, r1 = before.ranks
+    assert r0 == RankStatistics(rank=0, state="running", waiting=(), waits_for=(), completed=0)
+    assert r1.state == "blocked"
+    assert r1.waiting == ("all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world'",)
+    assert r1.waits_for == (0,)
+    assert before.blocked_ranks == 1
+    assert before.pending_collectives == 1
+    assert [r.completed for r in after.ranks] == [1, 1]
+    assert after.pending_collectives == 0
+
+
+def test_statistics_are_frozen_snapshots() -> None:
+    async def fn(comm: Comm) -> tuple[Statistics, Statistics, str] | None:
+        if comm.rank == 1:
+            await comm.all_reduce(torch.ones(1))  # blocks until rank 0 has looked
+            return None
+        while comm.statistics().blocked_ranks == 0:
+            await asyncio.sleep(0)
+        before = comm.statistics()
+        shown = repr(before)
+        await comm.all_reduce(torch.ones(1))  # the world moves on: rank 1 is released, ops complete
+        return before, comm.statistics(), shown
+
+    res = aiocoll.spawn(fn, world=2)[0]
+    assert res is not None
+    before, after, shown = res
+    # the world changed, the snapshot taken before did not
+    assert after.blocked_ranks == 0
+    assert [r.completed for r in after.ranks] == [1, 1]
+    assert before.blocked_ranks == 1
+    assert before.pending_collectives == 1
+    assert [r.state for r in before.ranks] == ["running", "blocked"]
+    assert [r.completed for r in before.ranks] == [0, 0]
+    assert repr(before) == shown
+    assert shown == "<Statistics size=2 live=2 blocked=1 pending_collectives=1 pending_p2p=0: 1 running, 1 blocked>"
+    assert repr(before.ranks[1]) == (
+        "<RankStatistics rank=1 blocked in all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world' "
+        "for ranks [0], completed=0>"
+    )
+    # frozen all the way down: no field can be assigned, nor can the sequences be changed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.blocked_ranks = 0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.ranks[1].state = "running"  # type: ignore[misc]
+    assert not hasattr(before, "__dict__")  # slots: nothing can be added either
+    assert isinstance(before.ranks, tuple)
+    assert isinstance(before.ranks[1].waiting, tuple)
+    assert isinstance(before.ranks[1].waits_for, tuple)
+    assert before.backend is None

@@ -421,11 +421,11 @@ def test_repr_statistics_and_work(results: tuple[list[dict[str, object]], list[d
     g = results[0][1]
     assert g["repr"] == "<Comm rank=1/4 group='0' backend=gloo>"
     stats = g["statistics"]
-    assert isinstance(stats, dict)
-    assert stats["rank"] == 1
-    assert stats["backend"] == "gloo"
-    assert stats["pending"] == 0
-    assert stats["completed"] > 200
+    assert isinstance(stats, aiocoll.Statistics)
+    assert [r.rank for r in stats.ranks if r.state != "remote"] == [1]
+    assert stats.backend == "gloo"
+    assert stats.pending_collectives + stats.pending_p2p == 0
+    assert stats.ranks[1].completed > 200
     assert str(g["work_repr"]).startswith("<Work rank=1 all_reduce(float32[1], op=ReduceOp.SUM) on group '0' ")
     done, result, exc, describe = g["work_after"]  # type: ignore[misc]
     assert (done, result, exc) == (True, None, None)
