@@ -17,7 +17,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._c10d import register, settle
 from ._comm import Comm, rank_generator
-from ._engine import Work
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -32,6 +31,7 @@ from ._faults import Fault, InjectedFault, OpInfo
 from ._pg import from_process_group
 from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
 from ._stats import RankStatistics, Statistics
+from ._work import Work
 
 register()  # the torch.distributed backend "aiocoll"
 

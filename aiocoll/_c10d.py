@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from . import _torch
 from ._comm import Comm
-from ._engine import RankState, Site, Work, current_rank_state
+from ._engine import RankState, current_rank_state
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
+from ._work import Site, Work
 
 __all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register", "settle"]
 
@@ -94,13 +95,15 @@ class AiocollWork(dist.Work):
     """The Work of the aiocoll backend: one or more engine works (coalesced calls).
 
     ``wait()`` blocks the calling thread (not allowed on the loop thread while pending);
-    ``await work`` waits on the loop. Errors keep their type and message.
+    ``await work`` waits on the loop. Errors keep their type and message. ``hand_over``:
+    the works were issued by a rank thread of a world whose ranks take turns.
     """
 
-    def __init__(self, works: Sequence[Work], value: Any) -> None:
+    def __init__(self, works: Sequence[Work], value: Any, hand_over: bool = False) -> None:
         super().__init__()
         self._works = list(works)
         self._value = value
+        self._hand_over = hand_over
         self._future: torch.futures.Future[Any] | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -127,8 +130,7 @@ class AiocollWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         if self._future is None:
-            w0 = self._works[0]
-            if w0._event is not None and w0._rank.world.turns is not None:
+            if self._hand_over:
                 # Ranks take turns, and C++ callers (DDP's reducer) block on the future
                 # itself, keeping the turn: wait here instead, giving it away. (Errors
                 # are the future's to carry.)
@@ -201,6 +203,9 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._comm = comm
         self._name = name
         self._on_loop = not comm._threaded
+        self._owner = comm._world.ranks[comm.global_rank]
+        # a world's ranks take turns (or not) from its start, before any group is made
+        self._hand_over = comm._threaded and comm._world.turns is not None
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -214,7 +219,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
 
     def _check(self, op: str, opts: Any) -> None:
         me = current_rank_state()
-        owner = self._comm._world.ranks[self._comm.global_rank]
+        owner = self._owner
         if me is not owner:
             who = "code outside any rank" if me is None else f"rank {me.rank}"
             raise AiocollError(
@@ -232,11 +237,11 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def _work(self, works: Sequence[Work], value: Any) -> AiocollWork:
         if self._on_loop:
             # functional collectives hide their Work from Python: keep them for settle()
-            issued = works[0]._rank.issued
+            issued = self._owner.issued
             if len(issued) > 64:
                 issued[:] = [w for w in issued if not w.done()]
             issued.extend(works)
-        return AiocollWork(works, value)
+        return AiocollWork(works, value, self._hand_over)
 
     # collectives -- c10d hands group-local ranks and tensor lists
 

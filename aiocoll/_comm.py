@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from . import _cuda
 from . import _ops as ops
-from ._engine import Group, Site, Work, World, call_site, current_rank_state
+from ._engine import EngineWork, Group, World, current_rank_state
 from ._errors import AiocollError, InvalidArgumentError
 from ._stats import Statistics
+from ._work import Site, Work, call_site
 
 __all__ = ["Comm", "rank_generator"]
 
@@ -148,7 +149,7 @@ class Comm:
         return call_site(3)
 
     def _join(self, call: Any) -> Work:
-        work = Work(self._group, self.rank, call, self._site(), self._threaded)
+        work = EngineWork(self._group, self.rank, call, self._site(), self._threaded)
         # CUDA inputs are ready where the caller's current stream is now: mark it here, in
         # the caller's thread (current streams are per thread)
         work._cuda = _cuda.issue(call)

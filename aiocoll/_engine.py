@@ -23,13 +23,11 @@ import enum
 import functools
 import itertools
 import random
-import sys
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Sequence
-from types import CodeType
 from typing import Any, Protocol
 
 import torch
@@ -49,10 +47,9 @@ from ._ops import Recv, Send, check_transfer, transfer
 from ._record import Recorder, Stamp
 from ._stats import RankStatistics, StateName, Statistics
 from ._turns import TurnEvent, Turns
+from ._work import Site, Work, fmt_site
 
-__all__ = ["Bridge", "Group", "Hybrid", "RankState", "Work", "World", "current_rank_state"]
-
-Site = tuple[str, int]
+__all__ = ["Bridge", "EngineWork", "Group", "Hybrid", "RankState", "World", "current_rank_state"]
 
 
 class Bridge(Protocol):
@@ -62,7 +59,7 @@ class Bridge(Protocol):
         """Results for every group-rank of ``rdv`` (local members' calls are in it)."""
         ...
 
-    def p2p(self, work: Work) -> asyncio.Future[Any] | None:
+    def p2p(self, work: EngineWork) -> asyncio.Future[Any] | None:
         """Carry out a send or recv whose peer is in another process; None if the peer is here."""
         ...
 
@@ -77,17 +74,6 @@ class Hybrid(Protocol):
     def aborted(self, message: str, cause: BaseException) -> None:
         """This process's share of the world was aborted."""
         ...
-
-
-def call_site(depth: int) -> Site:
-    """File and line of the user's frame ``depth`` levels above the caller."""
-    f = sys._getframe(depth + 1)
-    code: CodeType = f.f_code
-    return (code.co_filename, f.f_lineno)
-
-
-def fmt_site(site: Site | None) -> str:
-    return "?" if site is None else f"{site[0]}:{site[1]}"
 
 
 # seconds a rank thread waits before it reports itself blocked (for deadlock detection)
@@ -185,7 +171,7 @@ class RankState:
         self.phase = Phase.RUNNING
         self.live = 0  # tasks (or threads) acting for this rank
         self.parked = 0  # of those, how many await an unfinished Work
-        self.waiting: list[Work] = []
+        self.waiting: list[EngineWork] = []
         self.task: asyncio.Task[Any] | None = None
         self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
         self.error: BaseException | None = None  # why the rank failed
@@ -314,52 +300,38 @@ def _complete_tfut(tf: torch.futures.Future[Any], value: Any, exc: BaseException
         tf.set_exception(exc)
 
 
-class Work:
-    """One rank's handle on one collective or p2p op; await it for the result.
+class EngineWork(Work):
+    """A ``Work`` on the in-process engine: one rank's share of a rendezvous, or a send or recv.
 
-    Collectives are issued when called, so work can overlap compute::
-
-        w = comm.all_reduce(grad)      # issued now
-        loss = compute_more()          # ... while the others arrive
-        await w                        # done: grad holds the sum
-
-    >>> import torch, aiocoll
-    >>> async def worker(comm):
-    ...     grads = [torch.ones(2), torch.ones(3)]
-    ...     works = [comm.all_reduce(g) for g in grads]    # both issued now
-    ...     for w in works:
-    ...         await w
-    ...     return [g.sum().item() for g in grads]
-    >>> aiocoll.spawn(worker, world=2)
-    [[4.0, 6.0], [4.0, 6.0]]
+    Made by ``Comm._join``; the engine resolves it (``_resolve``) when its op
+    completes or fails, and tracks who awaits it, for deadlock detection.
     """
 
     __slots__ = (
-        "_call",
         "_cuda",
         "_event",
-        "_fut",
         "_grank",
         "_group",
         "_parked_on",
         "_rank",
         "_rdv",
         "_seq",
-        "_site",
         "_stamp",
         "_tfuts",
     )
 
     def __init__(self, group: Group, grank: int, call: Any, site: Site | None, threaded: bool = False) -> None:
         world = group.world
-        self._fut: asyncio.Future[Any] = world.loop.create_future()
+        # Work.__init__'s three fields, set here: a call to it would cost 0.1 us per rank
+        # per op, 3% of a 64-rank all_reduce (tests/test_api.py checks none is missed)
+        self._fut = world.loop.create_future()
+        self._call = call
+        self._site = site
         self._rank = world.ranks[group.ranks[grank]]
         self._group = group
         self._grank = grank
-        self._call = call
         self._rdv: Rendezvous | None = None  # while pending: whom it waits for
         self._seq: int | None = None  # its place in the group's collectives
-        self._site = site
         self._parked_on: RankState | None = None
         # set for works issued from another thread, which blocks on it in wait()
         self._event: _Latch | TurnEvent | None = None
@@ -377,6 +349,10 @@ class Work:
         if self._seq is not None:
             return f"#{self._seq} on group {self._group.name!r}"
         return f"on group {self._group.name!r}"
+
+    @property
+    def _owner(self) -> int:
+        return self._rank.rank
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._fut
@@ -508,6 +484,10 @@ class Work:
         >>> aiocoll.spawn(worker, world=2)
         [(True, 2.0), (True, 2.0)]
         """
+        # Not the base's done-callback: rank threads ask for torch futures (asyncio's
+        # callbacks may only be added on the loop's thread), and C++ callers block on them
+        # while ranks take turns, when no loop turn may come to run a callback. The engine
+        # completes them itself, in _resolve.
         tf: torch.futures.Future[Any] = torch.futures.Future()
         with _tfut_lock:
             pending = not self._fut.done()
@@ -518,51 +498,6 @@ class Work:
         if not pending:
             _complete_tfut(tf, value, self._fut.exception())
         return tf
-
-    def done(self) -> bool:
-        """Whether the op has completed (or failed)."""
-        return self._fut.done()
-
-    def is_completed(self) -> bool:
-        """Alias of ``done()``, as on torch.distributed's Work."""
-        return self._fut.done()
-
-    def result(self) -> Any:
-        """The op's result; raises its error; InvalidStateError if not done yet.
-
-        The result is what ``await`` returns: None for tensor collectives (they write in
-        place), the objects for object collectives, the sender's rank for ``recv``.
-
-        >>> import aiocoll
-        >>> async def worker(comm):
-        ...     w = comm.all_gather_object(comm.rank)
-        ...     await w
-        ...     return w.done(), w.exception(), w.result()
-        >>> aiocoll.spawn(worker, world=2)
-        [(True, None, [0, 1]), (True, None, [0, 1])]
-        """
-        return self._fut.result()
-
-    def exception(self) -> BaseException | None:
-        """The op's error, or None if it succeeded; InvalidStateError if not done yet."""
-        return self._fut.exception()
-
-    def describe(self) -> str:
-        """The op, its place in its group and the line that issued it, as aiocoll's reports show it.
-
-        >>> import torch, aiocoll
-        >>> async def worker(comm):
-        ...     w = comm.all_reduce(torch.ones(2))
-        ...     await w
-        ...     return w.describe()
-        >>> print(aiocoll.spawn(worker, world=2)[0])  # doctest: +ELLIPSIS
-        all_reduce(float32[2], op=ReduceOp.SUM) #0 on group 'world' at <doctest ...>:2
-        """
-        return f"{self._call.describe()} {self._where} at {fmt_site(self._site)}"
-
-    def __repr__(self) -> str:
-        state = "done" if self._fut.done() else "pending"
-        return f"<Work rank={self._rank.rank} {self._call.describe()} {self._where} {state}>"
 
 
 # -- groups and rendezvous -----------------------------------------------------------
@@ -578,7 +513,7 @@ class Rendezvous:
         self.seq = seq
         n = group.size
         self.calls: list[Any] = [None] * n
-        self.works: list[Work | None] = [None] * n
+        self.works: list[EngineWork | None] = [None] * n
         self.arrived = 0
         self.sig: Any = None
         self.mismatched = False
@@ -644,8 +579,8 @@ class Group:
         self.next_seq = [0] * self.size
         self.pending: dict[int, Rendezvous] = {}
         # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag)
-        self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, Work]]]] = {}
-        self.recvs: dict[tuple[int, int], list[Work]] = {}
+        self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, EngineWork]]]] = {}
+        self.recvs: dict[tuple[int, int], list[EngineWork]] = {}
         self._children: dict[Any, Group] = {}
 
     @property
@@ -683,7 +618,7 @@ class World:
         self._n_blocked = 0
         self._p2p_counter = itertools.count()
         # unmatched sends and recvs, which time out (see _p2p_timed_out)
-        self._p2p_waiting: set[Work] = set()
+        self._p2p_waiting: set[EngineWork] = set()
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
         self.lock: threading.RLock | None = None
@@ -694,15 +629,15 @@ class World:
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
         # works a fault holds back: hung (None) or delayed (the timer that posts them)
-        self._held: dict[Work, asyncio.TimerHandle | None] = {}
+        self._held: dict[EngineWork, asyncio.TimerHandle | None] = {}
         self._mismatched: list[Rendezvous] = []
         # ops run off the loop one at a time (see _serial): the works of the one running,
         # and the ops that completed their rendezvous behind it
-        self._busy: Sequence[Work | None] | None = None
-        self._queue: deque[tuple[Sequence[Work | None], Callable[[], None]]] = deque()
+        self._busy: Sequence[EngineWork | None] | None = None
+        self._queue: deque[tuple[Sequence[EngineWork | None], Callable[[], None]]] = deque()
         self.inline_bytes = _device.INLINE_BYTES
         # works waiting on other processes (hybrid worlds): collectives in an exchange, p2p
-        self._remote: set[Work] = set()
+        self._remote: set[EngineWork] = set()
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
         self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -733,7 +668,7 @@ class World:
             with lock:
                 fn(*args)
 
-    def post(self, work: Work) -> Work:
+    def post(self, work: EngineWork) -> EngineWork:
         """Enter ``work`` into the engine: a collective, a send or a recv. Loop thread only."""
         call = work._call
         if not isinstance(call, _P2P):
@@ -760,7 +695,7 @@ class World:
             self._recv(work)
         return work
 
-    def park(self, work: Work, st: RankState | None = None) -> None:
+    def park(self, work: EngineWork, st: RankState | None = None) -> None:
         """A task or thread of ``st`` (default: the work's rank) now waits for ``work``."""
         st = st or work._rank
         if work._fut.done() or work._parked_on is not None:
@@ -771,12 +706,12 @@ class World:
         st.waiting.append(work)
         st.parked_one()
 
-    def unpark(self, work: Work) -> None:
+    def unpark(self, work: EngineWork) -> None:
         work._unpark()
 
     # -- fault injection ---------------------------------------------------------------
 
-    def inject(self, fault: Fault, info: OpInfo, work: Work) -> Work:
+    def inject(self, fault: Fault, info: OpInfo, work: EngineWork) -> EngineWork:
         """Apply ``fault`` to ``work`` instead of posting it (any thread)."""
         assert self.faults is not None
         if fault.kind == "fail":
@@ -794,7 +729,7 @@ class World:
             self.call_soon_threadsafe(self._hold, work, fault)
         return work
 
-    def _hold(self, work: Work, fault: Fault) -> None:
+    def _hold(self, work: EngineWork, fault: Fault) -> None:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
             return
@@ -805,7 +740,7 @@ class World:
             else:
                 self.call_soon_threadsafe(self._arm_hold, work, fault)
 
-    def _arm_hold(self, work: Work, fault: Fault) -> None:
+    def _arm_hold(self, work: EngineWork, fault: Fault) -> None:
         if work not in self._held:
             return  # released by an abort meanwhile
         if fault.kind == "delay":
@@ -817,7 +752,7 @@ class World:
             # peers waiting for it time out first, and their report says more.
             self._held[work] = self.loop.call_later(2 * self.timeout, self.locked, self._hang_timed_out, work)
 
-    def _hang_timed_out(self, work: Work) -> None:
+    def _hang_timed_out(self, work: EngineWork) -> None:
         assert self.timeout is not None
         del self._held[work]
         err = CollectiveTimeoutError(
@@ -826,11 +761,11 @@ class World:
         work._resolve(exc=err)
         self.abort(None, err)
 
-    def _release(self, work: Work) -> None:
+    def _release(self, work: EngineWork) -> None:
         del self._held[work]
         self.post(work)
 
-    def _join(self, work: Work) -> None:
+    def _join(self, work: EngineWork) -> None:
         """Deposit the work's call for its group-rank at its next sequence number."""
         group, grank, call = work._group, work._grank, work._call
         seq = work._seq = group.next_seq[grank]
@@ -903,7 +838,7 @@ class World:
 
     # -- running ops, in issue order ---------------------------------------------------
 
-    def _serial(self, works: Sequence[Work | None], fn: Callable[[], None]) -> None:
+    def _serial(self, works: Sequence[EngineWork | None], fn: Callable[[], None]) -> None:
         """Run ``fn`` now, or after the op running off the loop and those queued behind it.
 
         Ops complete in the order their rendezvous completed, as they would inline: a
@@ -968,7 +903,7 @@ class World:
             fn()
         self._check_deadlock()
 
-    def _op_failed(self, works: Sequence[Work | None], e: BaseException) -> None:
+    def _op_failed(self, works: Sequence[EngineWork | None], e: BaseException) -> None:
         # Arguments were validated before the call joined, so this is unexpected: keep the
         # original error type for every rank, and abort the world.
         for w in works:
@@ -1014,7 +949,7 @@ class World:
             rdv.stamp.done = _now()
             rdv.stamp.outcome = "ok"
 
-    def _resolve_shuffled(self, works: list[Work | None], results: list[Any]) -> None:
+    def _resolve_shuffled(self, works: list[EngineWork | None], results: list[Any]) -> None:
         """A seeded schedule: release the ranks in a random order, some a few loop turns late.
 
         The order in which ranks are released is the order in which they run next, so
@@ -1032,7 +967,7 @@ class World:
             else:
                 w._resolve(res)
 
-    def _release_later(self, w: Work, res: Any, turns: int) -> None:
+    def _release_later(self, w: EngineWork, res: Any, turns: int) -> None:
         if turns:
             self.loop.call_soon(self._release_later, w, res, turns - 1)
             return
@@ -1063,7 +998,7 @@ class World:
 
     # -- point to point --------------------------------------------------------------
 
-    def _send(self, work: Work) -> None:
+    def _send(self, work: EngineWork) -> None:
         group, src, call = work._group, work._grank, work._call
         key = (call.dst, call.tag)
         recvs = group.recvs.get(key)
@@ -1077,7 +1012,7 @@ class World:
         q.append((next(self._p2p_counter), work))
         self._arm_p2p_timer(work)
 
-    def _recv(self, work: Work) -> None:
+    def _recv(self, work: EngineWork) -> None:
         group, dst, call = work._group, work._grank, work._call
         by_src = group.sends.get((dst, call.tag))
         if by_src:
@@ -1100,7 +1035,7 @@ class World:
         group.recvs.setdefault((dst, call.tag), []).append(work)
         self._arm_p2p_timer(work)
 
-    def _match(self, group: Group, src: int, sw: Work, rw: Work) -> None:
+    def _match(self, group: Group, src: int, sw: EngineWork, rw: EngineWork) -> None:
         for w in (sw, rw):
             self._p2p_waiting.discard(w)
             if w._stamp is not None:
@@ -1122,7 +1057,7 @@ class World:
         else:
             self._serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
 
-    def _transfer(self, src: int, sw: Work, rw: Work) -> None:
+    def _transfer(self, src: int, sw: EngineWork, rw: EngineWork) -> None:
         try:
             transfer(sw._call, rw._call)
         except Exception as e:
@@ -1135,7 +1070,7 @@ class World:
                 w._stamp.done = _now()
                 w._stamp.outcome = "ok"
 
-    def _p2p_bridged(self, work: Work, fut: asyncio.Future[Any]) -> None:
+    def _p2p_bridged(self, work: EngineWork, fut: asyncio.Future[Any]) -> None:
         self.in_flight -= 1
         self._remote.discard(work)
         exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()
@@ -1148,24 +1083,24 @@ class World:
                 work._stamp.outcome = "ok"
         self._check_deadlock()
 
-    def _arm_p2p_timer(self, work: Work) -> None:
+    def _arm_p2p_timer(self, work: EngineWork) -> None:
         if self._deadlines is not None:
             self._p2p_waiting.add(work)
             self._deadlines.add(work)
 
-    def _still_pending(self, item: Rendezvous | Work) -> bool:
+    def _still_pending(self, item: Rendezvous | EngineWork) -> bool:
         """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
         if isinstance(item, Rendezvous):
             return item.pending
         return item in self._p2p_waiting
 
-    def _expired(self, item: Rendezvous | Work) -> None:
+    def _expired(self, item: Rendezvous | EngineWork) -> None:
         if isinstance(item, Rendezvous):
             self._timed_out(item)
         else:
             self._p2p_timed_out(item)
 
-    def _p2p_timed_out(self, work: Work) -> None:
+    def _p2p_timed_out(self, work: EngineWork) -> None:
         self._p2p_waiting.discard(work)
         if work.done():
             return
@@ -1180,7 +1115,7 @@ class World:
         work._resolve(exc=err)
         self.abort(None, err)
 
-    def _remove_p2p(self, work: Work) -> None:
+    def _remove_p2p(self, work: EngineWork) -> None:
         for g in self._all_groups():
             for lst in g.recvs.values():
                 if work in lst:
@@ -1293,7 +1228,7 @@ class World:
                     out.append(t)
         return out
 
-    def _cancelled(self, work: Work) -> None:
+    def _cancelled(self, work: EngineWork) -> None:
         """A rank stopped waiting for ``work`` (cancelled): its collective cannot complete."""
         if self.aborted is not None:
             return
@@ -1336,7 +1271,7 @@ class World:
         return "\n".join(lines)
 
     @staticmethod
-    def _peers(w: Work) -> tuple[str, list[int]]:
+    def _peers(w: EngineWork) -> tuple[str, list[int]]:
         """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
         g, call = w._group, w._call
         if w._rdv is not None:
@@ -1365,9 +1300,9 @@ class World:
                 parts.append(f"waits for rank {ranks[0]} to recv")
         return "; ".join(parts)
 
-    def pending_works(self) -> list[Work]:
+    def pending_works(self) -> list[EngineWork]:
         """Every work still waiting for a peer, collectives first."""
-        out: list[Work] = []
+        out: list[EngineWork] = []
         for g in self._all_groups():
             out += [w for rdv in g.pending.values() for w in rdv.works if w is not None]
             out += [w for lst in g.recvs.values() for w in lst]

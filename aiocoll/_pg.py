@@ -28,7 +28,7 @@ import pickle
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -39,7 +39,6 @@ import torch.distributed as dist
 from . import _ops as ops
 from . import _torch
 from ._comm import Comm
-from ._engine import Work, call_site, fmt_site
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -49,6 +48,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._stats import RankStatistics, Statistics
+from ._work import Site, Work, call_site
 
 __all__ = [
     "Issuer",
@@ -825,22 +825,24 @@ class PGWork(Work):
         await w                        # t holds the sum
     """
 
-    __slots__ = ("_pcall", "_pfut", "_pgname", "_prank", "_psite")
+    __slots__ = ("_grank", "_group_name")
 
-    def __init__(self, fut: asyncio.Future[Any], call: Any, rank: int, group: str, site: Any) -> None:
-        # Work's own state is the in-process engine's; none of it is used here
-        self._pfut = fut
-        self._pcall = call
-        self._prank = rank
-        self._pgname = group
-        self._psite = site
+    def __init__(self, fut: asyncio.Future[Any], call: Any, rank: int, group: str, site: Site | None) -> None:
+        super().__init__(fut, call, site)
+        self._grank = rank
+        self._group_name = group
 
-    def __await__(self) -> Generator[Any, None, Any]:
-        return (yield from self._pfut)
+    @property
+    def _where(self) -> str:
+        return f"on group {self._group_name!r}"
+
+    @property
+    def _owner(self) -> int:
+        return self._grank
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block the calling thread (not the loop's) until done; return the result or raise."""
-        fut = self._pfut
+        fut = self._fut
         loop = fut.get_loop()
         if not fut.done():
             try:
@@ -848,9 +850,7 @@ class PGWork(Work):
             except RuntimeError:
                 on_loop = False
             if on_loop:
-                raise BlockingCallError(
-                    f"blocking wait for {self._pcall.describe()} on the event loop thread: await it"
-                )
+                raise BlockingCallError(f"blocking wait for {self._call.describe()} on the event loop thread: await it")
 
             async def waiter() -> Any:
                 return await asyncio.shield(fut)
@@ -859,47 +859,9 @@ class PGWork(Work):
                 return asyncio.run_coroutine_threadsafe(waiter(), loop).result(timeout)
             except TimeoutError:
                 raise CollectiveTimeoutError(
-                    f"rank {self._prank} waited {timeout}s in {self.describe()}; it is still pending"
+                    f"rank {self._grank} waited {timeout}s in {self.describe()}; it is still pending"
                 ) from None
         return fut.result()
-
-    def torch_future(self, value: Any) -> torch.futures.Future[Any]:
-        """A torch Future completed with ``value`` (or the op's error) when this work completes."""
-        tf: torch.futures.Future[Any] = torch.futures.Future()
-
-        def done(f: asyncio.Future[Any]) -> None:
-            exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
-            if exc is None:
-                tf.set_result(value)
-            else:
-                tf.set_exception(exc)
-
-        self._pfut.add_done_callback(done)
-        return tf
-
-    def done(self) -> bool:
-        """Whether the op has completed (or failed)."""
-        return self._pfut.done()
-
-    def is_completed(self) -> bool:
-        """Alias of ``done()``, as on torch.distributed's Work."""
-        return self._pfut.done()
-
-    def result(self) -> Any:
-        """The op's result; raises its error; InvalidStateError if not done yet."""
-        return self._pfut.result()
-
-    def exception(self) -> BaseException | None:
-        """The op's error, or None if it succeeded; InvalidStateError if not done yet."""
-        return self._pfut.exception()
-
-    def describe(self) -> str:
-        """The op, its group and the line that issued it."""
-        return f"{self._pcall.describe()} on group {self._pgname!r} at {fmt_site(self._psite)}"
-
-    def __repr__(self) -> str:
-        state = "done" if self._pfut.done() else "pending"
-        return f"<Work rank={self._prank} {self._pcall.describe()} on group {self._pgname!r} {state}>"
 
 
 class ProcessGroupComm(Comm):

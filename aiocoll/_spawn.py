@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _c10d, _torch
 from ._comm import Comm
-from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
+from ._engine import EngineWork, Phase, RankState, World, install_task_tracking, rank_var
 from ._errors import InvalidArgumentError, WorldAbortedError
 from ._faults import Fault, FaultPlan
 from ._locals import RankLocals
@@ -382,7 +382,7 @@ async def spawn_async(
     return [r.result() for r in runners]
 
 
-def warn_unmatched(works: list[Work], what: str, stacklevel: int) -> None:
+def warn_unmatched(works: list[EngineWork], what: str, stacklevel: int) -> None:
     """Warn about ``works`` still pending though every rank has ended (``stacklevel`` as seen by the caller).
 
     They were issued and never matched: in a real job they would hang or be dropped.

@@ -12,6 +12,9 @@ import torch
 
 import aiocoll
 from aiocoll import Comm, RankStatistics, Statistics
+from aiocoll._engine import EngineWork
+from aiocoll._ops import Barrier
+from aiocoll._pg import PGWork
 
 
 def test_public_names() -> None:
@@ -93,6 +96,49 @@ def test_reprs_and_work(loop: str) -> None:
     assert before is False  # rank 1 had not arrived yet when rank 0 issued
     assert result is None
     assert res[1][3] is True  # rank 1 was the last arrival: its work completed on the spot
+
+
+def test_work_is_an_abstract_interface() -> None:
+    # what users annotate with and isinstance-check against; each kind implements all of it
+    with pytest.raises(TypeError, match="abstract"):
+        aiocoll.Work(None, None, None)  # type: ignore[abstract,arg-type]
+    for cls in (EngineWork, PGWork):
+        assert not getattr(cls, "__abstractmethods__", None), f"{cls.__name__} leaves methods abstract"
+        assert issubclass(cls, aiocoll.Work)
+
+
+def test_engine_work_sets_every_field_of_work() -> None:
+    # EngineWork sets Work's fields itself (no call to Work.__init__ on the hot path):
+    # a field added to Work must be set there too
+    async def fn(comm: Comm) -> list[str]:
+        w = comm.all_reduce(torch.ones(1))
+        assert isinstance(w, aiocoll.Work)
+        await w
+        return [name for name in aiocoll.Work.__slots__ if not hasattr(w, name)]
+
+    assert aiocoll.spawn(fn, world=2) == [[], []]
+
+
+def test_process_group_work_shares_the_interface() -> None:
+    # the base's behaviour on a work that does not come from the engine
+    loop = asyncio.new_event_loop()
+    try:
+        fut: asyncio.Future[object] = loop.create_future()
+        w = PGWork(fut, Barrier(), 1, "0", ("train.py", 7))
+        assert [name for name in aiocoll.Work.__slots__ if not hasattr(w, name)] == []
+        assert isinstance(w, aiocoll.Work)
+        assert repr(w) == "<Work rank=1 barrier() on group '0' pending>"
+        assert w.describe() == "barrier() on group '0' at train.py:7"
+        assert (w.done(), w.is_completed()) == (False, False)
+        tf = w.torch_future("value")
+        fut.set_result(None)
+        assert loop.run_until_complete(w) is None  # awaitable, on its loop
+        assert (w.done(), w.is_completed(), w.result(), w.exception()) == (True, True, None, None)
+        assert w.wait() is None  # done: no blocking, from any thread
+        assert tf.wait() == "value"
+        assert repr(w).endswith(" done>")
+    finally:
+        loop.close()
 
 
 def test_object_collectives(loop: str) -> None:
