@@ -16,7 +16,8 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 from importlib.metadata import PackageNotFoundError, version
 
 from ._c10d import register, settle
-from ._comm import Comm, rank_generator
+from ._comm import Comm
+from ._engine_comm import rank_generator
 from ._errors import (
     AiocollError,
     BlockingCallError,

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import _torch
-from ._comm import Comm
 from ._engine import RankState, current_rank_state
+from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from ._work import Site, Work
 
@@ -174,7 +174,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
 
-class _C10dComm(Comm):
+class _C10dComm(EngineComm):
     """A Comm whose call sites are the user's frame above torch.distributed."""
 
     __slots__ = ()
@@ -196,7 +196,7 @@ def _one(op: str, tensors: Sequence[Any]) -> Any:
 class AiocollProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on the aiocoll engine."""
 
-    def __init__(self, comm: Comm, name: str) -> None:
+    def __init__(self, comm: EngineComm, name: str) -> None:
         # the (rank, size) constructor; the stubs of some releases know only the one taking a store
         args: Any = (comm.rank, comm.world_size)
         super().__init__(*args)

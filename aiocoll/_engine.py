@@ -303,7 +303,7 @@ def _complete_tfut(tf: torch.futures.Future[Any], value: Any, exc: BaseException
 class EngineWork(Work):
     """A ``Work`` on the in-process engine: one rank's share of a rendezvous, or a send or recv.
 
-    Made by ``Comm._join``; the engine resolves it (``_resolve``) when its op
+    Made by ``EngineComm._join``; the engine resolves it (``_resolve``) when its op
     completes or fails, and tracks who awaits it, for deadlock detection.
     """
 
@@ -341,7 +341,7 @@ class EngineWork(Work):
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
-        # done event (set by Comm._join in the caller's thread, whose streams it reads)
+        # done event (set by EngineComm._join in the caller's thread, whose streams it reads)
         self._cuda: _cuda.Issue | None = None
 
     @property

@@ -28,7 +28,7 @@ import pickle
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -48,7 +48,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._stats import RankStatistics, Statistics
-from ._work import Site, Work, call_site
+from ._work import Site, Work
 
 __all__ = [
     "Issuer",
@@ -405,7 +405,7 @@ class Issuer:
         self.timeout: timedelta | None = None
         self.pending: dict[asyncio.Future[Any], ops.Call] = {}  # ops not complete yet, and their calls
         self.completed = 0
-        self.groups_made = 0  # new_group/split calls so far: names the groups they make
+        self.groups_made = 0  # new_group/split calls issued so far: names the groups they make
         self._busy = False  # a multi-step op holds the group's order until it ends
         self._queue: list[tuple[_Start | _Steps, bool, Any, asyncio.Future[Any], asyncio.AbstractEventLoop]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -448,6 +448,8 @@ class Issuer:
                     f"{call.name} on a process-group Comm needs a running event loop: call it from async code"
                 ) from None
         plan, steps = self._plan(call)  # raises InvalidArgumentError before anything is sent
+        if steps and isinstance(call, (ops.NewGroup, ops.Split)):
+            self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
         fut: asyncio.Future[Any] = loop.create_future()
         self.pending[fut] = call
         if self._busy:
@@ -542,9 +544,15 @@ class Issuer:
     def _plan(self, call: Any) -> tuple[_Start | _Steps, bool]:
         kind = type(call)
         steps = _STEPS.get(kind)
-        if steps is not None:
-            return (lambda: steps(self, call)), True
-        return _PLANS[kind](self, call), False
+        if steps is None:
+            return _PLANS[kind](self, call), False
+        if kind is ops.Split:
+            # every rank's call travels pickled (see _partition): refuse now what cannot
+            try:
+                ops.dumps((call.color, call.key), "color and key")
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"split on rank {self.rank}: {e}") from e
+        return (lambda: steps(self, call)), True
 
     def _reduction(self, name: str, t: torch.Tensor, red: ops.Reduction, copy: bool) -> _Reduce:
         """How to reduce ``t`` with ``red`` on the group, exactly as in-process (or refuse)."""
@@ -877,10 +885,9 @@ class ProcessGroupComm(Comm):
     __slots__ = ("_iss",)
 
     def __init__(self, pg: dist.ProcessGroup, *, timeout: float | None = None) -> None:
-        # Comm's own state is the in-process engine's; none of it is used here
-        self._iss = Issuer.of(pg, timeout)
-        self.rank = self._iss.rank
-        self.world_size = self._iss.size
+        iss = Issuer.of(pg, timeout)
+        super().__init__(iss.rank, iss.size)
+        self._iss = iss
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -943,46 +950,15 @@ class ProcessGroupComm(Comm):
             backend=iss.backend,
         )
 
-    def _join(self, call: Any) -> Work:
-        site = self._site()
-        return PGWork(self._iss.issue(call), call, self.rank, self._iss.name, site)
+    def _join(self, call: ops.Call) -> PGWork:
+        return PGWork(self._iss.issue(call), call, self.rank, self._iss.name, self._site())
 
-    async def new_group(self, ranks: Sequence[int]) -> Comm | None:
-        """Make a sub-group of ``ranks`` (group-local); every rank of this group must call it.
+    def _group_seq(self) -> int:
+        # the issuer counts the groups made on its group as it issues their calls
+        return self._iss.groups_made
 
-        Returns the member's ``Comm`` (ranks renumbered in sorted order) or None. The new
-        process group is registered with torch.distributed (``comm.process_group``)::
-
-            evens = await comm.new_group([0, 2])
-        """
-        if not isinstance(ranks, (list, tuple, range)) or not ranks:
-            self._bad("new_group", "argument 'ranks': expected a non-empty list of ranks")
-        rs = sorted(self._root("new_group", f"ranks[{i}]", r) for i, r in enumerate(ranks))
-        if len(set(rs)) != len(rs):
-            self._bad("new_group", f"argument 'ranks': duplicate ranks in {list(ranks)}")
-        return await self._make(ops.NewGroup(tuple(rs)))
-
-    async def split(self, color: Hashable | None, key: Any = 0) -> Comm | None:
-        """MPI-style split: ranks with the same ``color`` form a group, ordered by (key, rank).
-
-        ``color=None`` joins no group and returns None; colors and keys travel pickled::
-
-            sub = await comm.split(color=comm.rank % 2, key=-comm.rank)
-        """
-        try:
-            hash(color)
-        except TypeError:
-            self._bad("split", f"argument 'color' must be hashable, got {type(color).__name__}")
-        call = ops.Split(color, key)
-        self._dumps("split", "color and key", (color, key))
-        return await self._make(call)
-
-    async def _make(self, call: ops.NewGroup | ops.Split) -> Comm | None:
+    async def _subgroup(self, part: ops.Partition, seq: int, call: ops.NewGroup | ops.Split) -> ProcessGroupComm | None:
         iss = self._iss
-        seq = iss.groups_made
-        iss.groups_made += 1
-        site = call_site(2)
-        part = await PGWork(iss.issue(call), call, self.rank, iss.name, site)
         members = part.groups[self.rank]
         if members is None:
             return None

@@ -13,8 +13,9 @@ import torch
 import aiocoll
 from aiocoll import Comm, RankStatistics, Statistics
 from aiocoll._engine import EngineWork
+from aiocoll._engine_comm import EngineComm
 from aiocoll._ops import Barrier
-from aiocoll._pg import PGWork
+from aiocoll._pg import PGWork, ProcessGroupComm
 
 
 def test_public_names() -> None:
@@ -98,19 +99,25 @@ def test_reprs_and_work(loop: str) -> None:
     assert res[1][3] is True  # rank 1 was the last arrival: its work completed on the spot
 
 
-def test_work_is_an_abstract_interface() -> None:
+def test_comm_and_work_are_abstract_interfaces() -> None:
     # what users annotate with and isinstance-check against; each kind implements all of it
     with pytest.raises(TypeError, match="abstract"):
+        aiocoll.Comm(0, 1)  # type: ignore[abstract]
+    with pytest.raises(TypeError, match="abstract"):
         aiocoll.Work(None, None, None)  # type: ignore[abstract,arg-type]
-    for cls in (EngineWork, PGWork):
+    for cls in (EngineComm, ProcessGroupComm, EngineWork, PGWork):
         assert not getattr(cls, "__abstractmethods__", None), f"{cls.__name__} leaves methods abstract"
-        assert issubclass(cls, aiocoll.Work)
+    assert issubclass(EngineComm, aiocoll.Comm)
+    assert issubclass(ProcessGroupComm, aiocoll.Comm)
+    assert issubclass(EngineWork, aiocoll.Work)
+    assert issubclass(PGWork, aiocoll.Work)
 
 
 def test_engine_work_sets_every_field_of_work() -> None:
     # EngineWork sets Work's fields itself (no call to Work.__init__ on the hot path):
     # a field added to Work must be set there too
     async def fn(comm: Comm) -> list[str]:
+        assert isinstance(comm, EngineComm)
         w = comm.all_reduce(torch.ones(1))
         assert isinstance(w, aiocoll.Work)
         await w
