@@ -16,8 +16,8 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 from importlib.metadata import PackageNotFoundError, version
 
 from ._c10d import register, settle
-from ._comm import Comm, rank_generator
-from ._engine import Work
+from ._comm import Comm
+from ._engine_comm import rank_generator
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -31,6 +31,8 @@ from ._errors import (
 from ._faults import Fault, InjectedFault, OpInfo
 from ._pg import from_process_group
 from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
+from ._stats import RankStatistics, Statistics
+from ._work import Work
 
 register()  # the torch.distributed backend "aiocoll"
 
@@ -52,7 +54,9 @@ __all__ = [
     "InjectedFault",
     "InvalidArgumentError",
     "OpInfo",
+    "RankStatistics",
     "SeedFailure",
+    "Statistics",
     "TorchCompatError",
     "Work",
     "WorldAbortedError",

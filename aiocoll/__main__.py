@@ -13,7 +13,6 @@ import contextlib
 import json
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -60,18 +59,18 @@ async def _deadlock(comm: aiocoll.Comm) -> None:
 STEPS = 8
 
 
-def _view(stats: dict[str, Any], steps: list[int]) -> list[str]:
+def _view(stats: aiocoll.Statistics, steps: list[int]) -> list[str]:
     """One line per rank: its step and what it is doing."""
     lines = []
-    for r in stats["ranks"]:
-        bar = "#" * steps[r["rank"]] + "." * (STEPS - steps[r["rank"]])
-        if r["state"] == "blocked":
-            doing = f"waiting in {', '.join(r['waiting'])} for ranks {r['waits_for']}"
-        elif r["state"] == "running":
+    for r in stats.ranks:
+        bar = "#" * steps[r.rank] + "." * (STEPS - steps[r.rank])
+        if r.state == "blocked":
+            doing = f"waiting in {', '.join(r.waiting)} for ranks {list(r.waits_for)}"
+        elif r.state == "running":
             doing = "computing"
         else:
-            doing = r["state"]
-        lines.append(f"  rank {r['rank']} [{bar}] {doing}")
+            doing = r.state
+        lines.append(f"  rank {r.rank} [{bar}] {doing}")
     return lines
 
 

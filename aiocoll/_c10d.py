@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from . import _torch
-from ._comm import Comm
-from ._engine import RankState, Site, Work, current_rank_state
+from ._engine import RankState, current_rank_state
+from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
+from ._work import Site, Work
 
 __all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register", "settle"]
 
@@ -95,13 +96,15 @@ class AiocollWork(dist.Work):
     """The Work of the aiocoll backend: one or more engine works (coalesced calls).
 
     ``wait()`` blocks the calling thread (not allowed on the loop thread while pending);
-    ``await work`` waits on the loop. Errors keep their type and message.
+    ``await work`` waits on the loop. Errors keep their type and message. ``hand_over``:
+    the works were issued by a rank thread of a world whose ranks take turns.
     """
 
-    def __init__(self, works: Sequence[Work], value: Any) -> None:
+    def __init__(self, works: Sequence[Work], value: Any, hand_over: bool = False) -> None:
         super().__init__()
         self._works = list(works)
         self._value = value
+        self._hand_over = hand_over
         self._future: torch.futures.Future[Any] | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -128,8 +131,7 @@ class AiocollWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         if self._future is None:
-            w0 = self._works[0]
-            if w0._event is not None and w0._rank.world.turns is not None:
+            if self._hand_over:
                 # Ranks take turns, and C++ callers (DDP's reducer) block on the future
                 # itself, keeping the turn: wait here instead, giving it away. (Errors
                 # are the future's to carry.)
@@ -173,7 +175,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
 
-class _C10dComm(Comm):
+class _C10dComm(EngineComm):
     """A Comm whose call sites are the user's frame above torch.distributed."""
 
     __slots__ = ()
@@ -210,7 +212,7 @@ def _one(op: str, tensors: Sequence[Any]) -> Any:
 class AiocollProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on the aiocoll engine."""
 
-    def __init__(self, comm: Comm, name: str) -> None:
+    def __init__(self, comm: EngineComm, name: str) -> None:
         # the (rank, size) constructor; the stubs of some releases know only the one taking a store
         args: Any = (comm.rank, comm.world_size)
         super().__init__(*args)
@@ -218,6 +220,8 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._name = name
         self._on_loop = not comm._threaded
         self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
+        # a world's ranks take turns (or not) from its start, before any group is made
+        self._hand_over = comm._threaded and comm._world.turns is not None
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -249,11 +253,11 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def _work(self, works: Sequence[Work], value: Any) -> AiocollWork:
         if self._on_loop:
             # functional collectives hide their Work from Python: keep them for settle()
-            issued = works[0]._rank.issued
+            issued = self._owner.issued
             if len(issued) > 64:
                 issued[:] = [w for w in issued if not w.done()]
             issued.extend(works)
-        return AiocollWork(works, value)
+        return AiocollWork(works, value, self._hand_over)
 
     # collectives -- c10d hands group-local ranks and tensor lists
 

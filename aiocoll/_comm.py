@@ -1,24 +1,33 @@
-"""``Comm``: a rank's handle on a group. Validates arguments, builds the op, joins the engine."""
+"""``Comm``: a rank's handle on a group. Validates arguments and builds the op; a subclass issues it.
+
+The base class holds everything both kinds of ``Comm`` share: the argument checks, the
+collectives, p2p, object collectives and the making of sub-groups. A subclass says how a
+checked call is issued (``_join``) and where the group's facts come from:
+
+- ``_engine_comm.EngineComm``: a rank of ``spawn``, on the in-process engine;
+- ``_pg.ProcessGroupComm``: a process on a real torch.distributed group (``from_process_group``).
+"""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Hashable, Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from . import _cuda
 from . import _ops as ops
-from ._engine import Group, Site, Work, World, call_site, current_rank_state
-from ._errors import AiocollError, InvalidArgumentError
+from ._errors import InvalidArgumentError
+from ._stats import Statistics
+from ._work import Site, Work, call_site
 
-__all__ = ["Comm", "rank_generator"]
+__all__ = ["Comm"]
 
 _SUM = dist.ReduceOp.SUM
 
 
-class Comm:
+class Comm(abc.ABC):
     """One rank's view of a group: its ``rank`` and ``world_size`` and the collectives.
 
     Every collective is issued when called and returns an awaitable ``Work``; ranks are
@@ -34,28 +43,26 @@ class Comm:
     [([3.0, 3.0], (0, 2)), ([3.0, 3.0], None), ([3.0, 3.0], (1, 2))]
 
     Bad arguments raise ``InvalidArgumentError`` on the calling rank before it joins,
-    leaving its tensors untouched.
+    leaving its tensors untouched. ``spawn`` gives each rank a ``Comm`` on the in-process
+    engine; ``from_process_group`` gives one on a real process group, with the same
+    methods, checks and results.
     """
 
-    __slots__ = ("_group", "_threaded", "_world", "rank", "world_size")
+    __slots__ = ("rank", "world_size")
 
-    def __init__(self, world: World, group: Group, rank: int, *, threaded: bool = False) -> None:
-        self._world = world
-        self._group = group
-        # a rank running in its own thread posts its works to the loop, and waits on
-        # them with Work.wait()
-        self._threaded = threaded
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         """This rank's index in the group."""
-        self.world_size = group.size
+        self.world_size = world_size
         """How many ranks the group has."""
 
     @property
+    @abc.abstractmethod
     def global_rank(self) -> int:
-        """This rank's index in the whole world of ``spawn``."""
-        return self._group.ranks[self.rank]
+        """This rank's index in the whole world (of ``spawn``, or of torch.distributed's default group)."""
 
     @property
+    @abc.abstractmethod
     def group_ranks(self) -> tuple[int, ...]:
         """The global ranks of this group's members, in group-rank order.
 
@@ -66,27 +73,53 @@ class Comm:
         >>> aiocoll.spawn(worker, world=4)
         [None, (0, 1, (1, 3), 'world/0'), None, (1, 3, (1, 3), 'world/0')]
         """
-        return self._group.ranks
 
     @property
+    @abc.abstractmethod
     def group_name(self) -> str:
-        """The group's name in aiocoll's reports: ``"world"``, then ``"world/0"`` and so on for sub-groups."""
-        return self._group.name
+        """The group's name: ``"world"``, then ``"world/0"`` and so on for sub-groups (a process group: torch's)."""
 
     def __repr__(self) -> str:
-        return f"<Comm rank={self.rank}/{self.world_size} group={self._group.name!r}>"
+        return f"<Comm rank={self.rank}/{self.world_size} group={self.group_name!r}>"
 
-    def statistics(self) -> dict[str, Any]:
-        """A snapshot of the whole world: each rank's state and what it waits for.
+    @abc.abstractmethod
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the world: each rank's state and what it waits for.
 
-        ``result["ranks"][r]`` is a dict with ``state`` ("running", "blocked",
+        ``result.ranks[r]`` is a ``RankStatistics``: ``state`` ("running", "blocked",
         "returned" or "failed"), ``waiting`` (the ops it waits in), ``waits_for`` (the
         global ranks those ops still need) and ``completed`` (its ops done so far)::
 
-            for r in comm.statistics()["ranks"]:
-                print(r["rank"], r["state"], r["waiting"], r["waits_for"])
+            for r in comm.statistics().ranks:
+                print(r.rank, r.state, r.waiting, r.waits_for)
+
+        On a process group it knows only this process (the others are ``"remote"``).
         """
-        return self._world.statistics()
+
+    # -- what a subclass provides ------------------------------------------------------
+
+    @abc.abstractmethod
+    def _join(self, call: ops.Call) -> Work:
+        """Issue the checked ``call`` for this rank and return its work.
+
+        Called straight from the public methods: ``_site`` finds the user's frame by depth.
+        """
+
+    @abc.abstractmethod
+    def _group_seq(self) -> int:
+        """The number that names the next group this rank makes (read before its call is issued)."""
+
+    @abc.abstractmethod
+    async def _subgroup(self, part: ops.Partition, seq: int, call: ops.NewGroup | ops.Split) -> Comm | None:
+        """This rank's ``Comm`` on the group ``part`` gives it, made at ``seq``; None if it has none."""
+
+    def _any_source_ok(self) -> bool:
+        """Whether ``recv`` may take a send from any rank."""
+        return True
+
+    def _site(self) -> Site:
+        # frames: call_site <- _site <- _join <- the Comm method <- the user
+        return call_site(3)
 
     # -- validation helpers ------------------------------------------------------------
 
@@ -136,39 +169,9 @@ class Comm:
             self._bad(op, str(e))
         return r
 
-    def _any_source_ok(self) -> bool:
-        # a group of a hybrid world that spans processes matches p2p per pair of ranks
-        # (subclasses on a real process group may have no engine group at all)
-        group: Group | None = getattr(self, "_group", None)
-        return group is None or group.bridge is None
-
-    def _site(self) -> Site:
-        # frames: call_site <- _site <- _join <- the Comm method <- the user
-        return call_site(3)
-
-    def _join(self, call: Any) -> Work:
-        work = Work(self._group, self.rank, call, self._site(), self._threaded)
-        # CUDA inputs are ready where the caller's current stream is now: mark it here, in
-        # the caller's thread (current streams are per thread)
-        work._cuda = _cuda.issue(call)
-        faults = self._world.faults
-        if faults is not None:
-            hit = faults.check(work)
-            if hit is not None:
-                return self._world.inject(*hit, work)
-        if self._threaded:
-            world = self._world
-            lock = world.lock
-            if lock is not None:  # ranks take turns: this thread runs the engine
-                with lock:
-                    return world.post(work)
-            world.call_soon_threadsafe(world.post, work)
-            return work
-        return self._world.post(work)
-
     # -- collectives -------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: object = _SUM) -> Work:
         """Reduce ``tensor`` across the group, in place on every rank.
 
         ``op`` is a ``torch.distributed.ReduceOp`` (default SUM); reductions run in rank
@@ -185,7 +188,7 @@ class Comm:
         t = self._tensor("all_reduce", "tensor", tensor)
         return self._join(ops.AllReduce(t, self._reduction("all_reduce", op, t.dtype)))
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = _SUM) -> Work:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: object = _SUM) -> Work:
         """Reduce ``tensor`` across the group into rank ``dst``'s tensor; others are unchanged.
 
         >>> import torch, torch.distributed as dist, aiocoll
@@ -313,7 +316,7 @@ class Comm:
             self._bad("scatter", f"argument 'scatter_list' must be None or empty on non-source rank {self.rank}")
         return self._join(ops.Scatter(out, ins, src))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = _SUM) -> Work:
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: object = _SUM) -> Work:
         """Reduce ``input_list[i]`` across ranks into rank i's ``output``.
 
         >>> import torch, aiocoll
@@ -330,7 +333,7 @@ class Comm:
             self._same("reduce_scatter", f"input_list[{i}]", x, "output", out)
         return self._join(ops.ReduceScatter(out, ins, self._reduction("reduce_scatter", op, out.dtype)))
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: Any = _SUM) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: object = _SUM) -> Work:
         """Reduce ``input`` across ranks; rank i gets chunk i (along dim 0) in ``output``.
 
         >>> import torch, aiocoll
@@ -519,7 +522,7 @@ class Comm:
 
     # -- objects -------------------------------------------------------------------------
 
-    def broadcast_object(self, obj: Any, src: int) -> Work:
+    def broadcast_object(self, obj: object, src: int) -> Work:
         """Rank ``src``'s ``obj`` on every rank (each gets its own unpickled copy).
 
         >>> import aiocoll
@@ -532,7 +535,7 @@ class Comm:
         payload = self._dumps("broadcast_object", "obj", obj) if self.rank == src else None
         return self._join(ops.BroadcastObject(payload, src))
 
-    def all_gather_object(self, obj: Any) -> Work:
+    def all_gather_object(self, obj: object) -> Work:
         """Every rank's ``obj``, as a list indexed by rank, on every rank.
 
         >>> import aiocoll
@@ -543,7 +546,7 @@ class Comm:
         """
         return self._join(ops.AllGatherObject(self._dumps("all_gather_object", "obj", obj)))
 
-    def gather_object(self, obj: Any, dst: int = 0) -> Work:
+    def gather_object(self, obj: object, dst: int = 0) -> Work:
         """Every rank's ``obj`` as a list on rank ``dst``; None elsewhere.
 
         >>> import aiocoll
@@ -555,7 +558,7 @@ class Comm:
         dst = self._root("gather_object", "dst", dst)
         return self._join(ops.GatherObject(self._dumps("gather_object", "obj", obj), dst))
 
-    def scatter_object(self, objs: Sequence[Any] | None, src: int = 0) -> Work:
+    def scatter_object(self, objs: Sequence[object] | None, src: int = 0) -> Work:
         """``objs[i]`` of rank ``src`` to rank i; ``objs`` is ignored on the other ranks.
 
         >>> import aiocoll
@@ -581,7 +584,8 @@ class Comm:
     async def new_group(self, ranks: Sequence[int]) -> Comm | None:
         """Make a sub-group of ``ranks`` (group-local); every rank of this group must call it.
 
-        Returns the member's ``Comm`` (ranks renumbered in sorted order) or None.
+        Returns the member's ``Comm`` (ranks renumbered in sorted order) or None. On a
+        process group, the new group is a torch.distributed group too (``comm.process_group``).
 
         >>> import torch, aiocoll
         >>> async def worker(comm):
@@ -599,15 +603,17 @@ class Comm:
         rs = sorted(self._root("new_group", f"ranks[{i}]", r) for i, r in enumerate(ranks))
         if len(set(rs)) != len(rs):
             self._bad("new_group", f"argument 'ranks': duplicate ranks in {list(ranks)}")
-        seq = self._group.next_seq[self.rank]
-        part = await self._join(ops.NewGroup(tuple(rs)))
-        return self._sub(part, seq, f"{self._group.name}/{seq}")
+        call = ops.NewGroup(tuple(rs))
+        seq = self._group_seq()
+        part = await self._join(call)
+        return await self._subgroup(part, seq, call)
 
-    async def split(self, color: Hashable | None, key: Any = 0) -> Comm | None:
+    async def split(self, color: Hashable | None, key: object = 0) -> Comm | None:
         """MPI-style split: ranks with the same ``color`` form a group, ordered by (key, rank).
 
-        ``color=None`` joins no group and returns None. Here even and odd ranks split,
-        each group in reverse rank order:
+        ``color=None`` joins no group and returns None (on a process group, colors and
+        keys travel pickled). Here even and odd ranks split, each group in reverse rank
+        order:
 
         >>> import aiocoll
         >>> async def worker(comm):
@@ -620,41 +626,10 @@ class Comm:
             hash(color)
         except TypeError:
             self._bad("split", f"argument 'color' must be hashable, got {type(color).__name__}")
-        seq = self._group.next_seq[self.rank]
-        part = await self._join(ops.Split(color, key))
-        return self._sub(part, seq, f"{self._group.name}/{seq}:{color}")
-
-    def _sub(self, part: ops.Partition, seq: int, name: str) -> Comm | None:
-        members = part.groups[self.rank]
-        if members is None:
-            return None
-        group = self._group.child((seq, part.colors[self.rank]), name, members)
-        return Comm(self._world, group, members.index(self.rank), threaded=self._threaded)
-
-
-def rank_generator(seed: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
-    """A random generator of the calling rank's own, seeded from ``seed`` and the rank.
-
-    Ranks share torch's global RNG: async ranks share one thread, and the CPU generator
-    is process-wide for threads too, so ``torch.manual_seed`` in one rank moves the
-    others' random streams. Draw from a generator per rank instead::
-
-        g = aiocoll.rank_generator(seed=0)       # differs per rank, same every run
-        x = torch.randn(3, generator=g)
-
-    >>> import torch, aiocoll
-    >>> async def worker(comm):
-    ...     return torch.randint(0, 10**6, (2,), generator=aiocoll.rank_generator(seed=0)).tolist()
-    >>> first = aiocoll.spawn(worker, world=2)
-    >>> first == aiocoll.spawn(worker, world=2), first[0] != first[1]
-    (True, True)
-    """
-    st = current_rank_state()
-    if st is None:
-        raise AiocollError("rank_generator() must be called inside an aiocoll rank")
-    g = torch.Generator(device)
-    g.manual_seed((seed * 1_048_576 + st.rank) % 2**63)
-    return g
+        call = ops.Split(color, key)
+        seq = self._group_seq()
+        part = await self._join(call)
+        return await self._subgroup(part, seq, call)
 
 
 def _empty(xs: object) -> bool:

@@ -6,7 +6,8 @@ The engine decides *when* an op runs (the last rank arrived); this module decide
 * small CPU ops run inline: a thread hand-off costs tens of microseconds, more than the op;
 * large CPU ops run on a worker thread: torch releases the GIL inside its kernels, so the
   loop keeps serving other tasks (and other ranks) meanwhile;
-* CUDA ops are enqueued on a side stream and awaited through an event (see ``_cuda``).
+* CUDA ops are enqueued on a side stream and awaited through an event: ``_cuda`` does
+  that, building on this module (``tensors_of``), and the engine calls it directly.
 
 Off-loop execution returns an ``asyncio.Future`` with the op's results, completed on the
 loop; the engine keeps ops in issue order around it.
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INLINE_BYTES", "Placement", "placement", "run_cuda", "run_in_worker", "tensors_of"]
+__all__ = ["INLINE_BYTES", "Placement", "placement", "run_in_worker", "tensors_of"]
 
 # Total bytes an op may move (summed over its ranks) and still run inline on the loop:
 # below this a worker-thread round trip (measured 100-300 us on 2 cores, with the ranks'
@@ -87,22 +88,3 @@ def run_in_worker(
 ) -> asyncio.Future[list[Any]]:
     """Run ``run(calls)`` on aiocoll's worker thread; the future completes on ``loop``."""
     return loop.run_in_executor(_get_executor(), run, calls)
-
-
-def run_cuda(
-    loop: asyncio.AbstractEventLoop,
-    run: Callable[[Sequence[Any]], list[Any]],
-    calls: Sequence[Any],
-    issues: Sequence[Any] | None = None,
-) -> asyncio.Future[list[Any]]:
-    """Enqueue ``run(calls)`` on a CUDA side stream; the future completes on ``loop`` when it has run.
-
-    ``issues`` are the ranks' ``_cuda.issue`` records, taken when each rank called.
-    Without them the op is ordered after the loop thread's current streams only: right
-    for async ranks, too early for ranks in threads.
-    """
-    from . import _cuda  # imported on first use: _cuda builds on this module
-
-    if issues is None:
-        issues = [_cuda.issue(c) for c in calls]
-    return _cuda.run_cuda(loop, run, calls, issues)

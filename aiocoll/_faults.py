@@ -21,12 +21,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ._errors import AiocollError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from ._engine import Work
 
 __all__ = ["Fault", "FaultPlan", "InjectedFault", "OpInfo"]
 
@@ -143,16 +140,19 @@ class FaultPlan:
         self.counts = [0] * size  # each rank counts its own: only its task or thread touches it
         self._lock = threading.Lock()  # sync ranks check concurrently
 
-    def check(self, work: Work) -> tuple[Fault, OpInfo] | None:
-        """The fault that fires at ``work`` (counting it as its rank's next operation), if any."""
-        rank = work._rank.rank
+    def check(self, rank: int, op: str, group: str) -> tuple[Fault, OpInfo] | None:
+        """The fault that fires at global ``rank``'s call of ``op`` on ``group``, if any.
+
+        Counts the call as the rank's next operation. It takes plain values, not the
+        engine's work, so that this module does not depend on the engine that uses it.
+        """
         index = self.counts[rank]
         self.counts[rank] = index + 1
         info: OpInfo | None = None
         for i, f in enumerate(self.faults):
             if self.fired[i] or (f.rank is not None and f.rank != rank) or (f.at is not None and f.at != index):
                 continue
-            info = info or OpInfo(rank, index, work._call.name, work._group.name)
+            info = info or OpInfo(rank, index, op, group)
             if f.when is not None and not f.when(info):
                 continue
             with self._lock:

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from . import _device
 from . import _ops as ops
-from ._engine import Group, Rendezvous, Site, Work, World, fmt_site, mismatch_message
+from ._engine import EngineWork, Group, Rendezvous, World, mismatch_message
 from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
 from ._pg import Issuer, _create_group, all_gather_bytes
+from ._work import Site, fmt_site
 
 __all__ = ["HybridWorld"]
 
@@ -229,7 +230,7 @@ class PGBridge:
     def close(self) -> None:
         self._tail = None  # the last exchange's task, whose frame refers back to the bridge
 
-    def p2p(self, work: Work) -> asyncio.Future[Any] | None:
+    def p2p(self, work: EngineWork) -> asyncio.Future[Any] | None:
         call, g = work._call, self.group
         peer = call.dst if isinstance(call, ops.Send) else call.src
         assert peer is not None  # Comm refuses any-source receives in groups that span processes

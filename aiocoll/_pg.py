@@ -28,7 +28,7 @@ import pickle
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -39,7 +39,6 @@ import torch.distributed as dist
 from . import _ops as ops
 from . import _torch
 from ._comm import Comm
-from ._engine import Work, call_site, fmt_site
 from ._errors import (
     AiocollError,
     BlockingCallError,
@@ -48,6 +47,8 @@ from ._errors import (
     InvalidArgumentError,
     WorldAbortedError,
 )
+from ._stats import RankStatistics, Statistics
+from ._work import Site, Work
 
 __all__ = [
     "Issuer",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 _R = dist.ReduceOp
+_P2P = (ops.Send, ops.Recv)
 _Done = Callable[[BaseException | None], None]
 
 
@@ -401,9 +403,9 @@ class Issuer:
         self.backend = str(dist.get_backend(pg))
         self.global_ranks = tuple(dist.get_process_group_ranks(pg))
         self.timeout: timedelta | None = None
-        self.pending: set[asyncio.Future[Any]] = set()
+        self.pending: dict[asyncio.Future[Any], ops.Call] = {}  # ops not complete yet, and their calls
         self.completed = 0
-        self.groups_made = 0  # new_group/split calls so far: names the groups they make
+        self.groups_made = 0  # new_group/split calls issued so far: names the groups they make
         self._busy = False  # a multi-step op holds the group's order until it ends
         self._queue: list[tuple[_Start | _Steps, bool, Any, asyncio.Future[Any], asyncio.AbstractEventLoop]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -446,8 +448,10 @@ class Issuer:
                     f"{call.name} on a process-group Comm needs a running event loop: call it from async code"
                 ) from None
         plan, steps = self._plan(call)  # raises InvalidArgumentError before anything is sent
+        if steps and isinstance(call, (ops.NewGroup, ops.Split)):
+            self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
         fut: asyncio.Future[Any] = loop.create_future()
-        self.pending.add(fut)
+        self.pending[fut] = call
         if self._busy:
             self._queue.append((plan, steps, call, fut, loop))
         else:
@@ -498,7 +502,7 @@ class Issuer:
                 result = post()  # write-backs happen even if the awaiting task was cancelled
             except BaseException as e:
                 exc = e
-        self.pending.discard(fut)
+        self.pending.pop(fut, None)
         self.completed += 1
         if fut.done():
             return
@@ -540,9 +544,15 @@ class Issuer:
     def _plan(self, call: Any) -> tuple[_Start | _Steps, bool]:
         kind = type(call)
         steps = _STEPS.get(kind)
-        if steps is not None:
-            return (lambda: steps(self, call)), True
-        return _PLANS[kind](self, call), False
+        if steps is None:
+            return _PLANS[kind](self, call), False
+        if kind is ops.Split:
+            # every rank's call travels pickled (see _partition): refuse now what cannot
+            try:
+                ops.dumps((call.color, call.key), "color and key")
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"split on rank {self.rank}: {e}") from e
+        return (lambda: steps(self, call)), True
 
     def _reduction(self, name: str, t: torch.Tensor, red: ops.Reduction, copy: bool) -> _Reduce:
         """How to reduce ``t`` with ``red`` on the group, exactly as in-process (or refuse)."""
@@ -823,22 +833,24 @@ class PGWork(Work):
         await w                        # t holds the sum
     """
 
-    __slots__ = ("_pcall", "_pfut", "_pgname", "_prank", "_psite")
+    __slots__ = ("_grank", "_group_name")
 
-    def __init__(self, fut: asyncio.Future[Any], call: Any, rank: int, group: str, site: Any) -> None:
-        # Work's own state is the in-process engine's; none of it is used here
-        self._pfut = fut
-        self._pcall = call
-        self._prank = rank
-        self._pgname = group
-        self._psite = site
+    def __init__(self, fut: asyncio.Future[Any], call: Any, rank: int, group: str, site: Site | None) -> None:
+        super().__init__(fut, call, site)
+        self._grank = rank
+        self._group_name = group
 
-    def __await__(self) -> Generator[Any, None, Any]:
-        return (yield from self._pfut)
+    @property
+    def _where(self) -> str:
+        return f"on group {self._group_name!r}"
+
+    @property
+    def _owner(self) -> int:
+        return self._grank
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block the calling thread (not the loop's) until done; return the result or raise."""
-        fut = self._pfut
+        fut = self._fut
         loop = fut.get_loop()
         if not fut.done():
             try:
@@ -846,9 +858,7 @@ class PGWork(Work):
             except RuntimeError:
                 on_loop = False
             if on_loop:
-                raise BlockingCallError(
-                    f"blocking wait for {self._pcall.describe()} on the event loop thread: await it"
-                )
+                raise BlockingCallError(f"blocking wait for {self._call.describe()} on the event loop thread: await it")
 
             async def waiter() -> Any:
                 return await asyncio.shield(fut)
@@ -857,47 +867,9 @@ class PGWork(Work):
                 return asyncio.run_coroutine_threadsafe(waiter(), loop).result(timeout)
             except TimeoutError:
                 raise CollectiveTimeoutError(
-                    f"rank {self._prank} waited {timeout}s in {self.describe()}; it is still pending"
+                    f"rank {self._grank} waited {timeout}s in {self.describe()}; it is still pending"
                 ) from None
         return fut.result()
-
-    def torch_future(self, value: Any) -> torch.futures.Future[Any]:
-        """A torch Future completed with ``value`` (or the op's error) when this work completes."""
-        tf: torch.futures.Future[Any] = torch.futures.Future()
-
-        def done(f: asyncio.Future[Any]) -> None:
-            exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
-            if exc is None:
-                tf.set_result(value)
-            else:
-                tf.set_exception(exc)
-
-        self._pfut.add_done_callback(done)
-        return tf
-
-    def done(self) -> bool:
-        """Whether the op has completed (or failed)."""
-        return self._pfut.done()
-
-    def is_completed(self) -> bool:
-        """Alias of ``done()``, as on torch.distributed's Work."""
-        return self._pfut.done()
-
-    def result(self) -> Any:
-        """The op's result; raises its error; InvalidStateError if not done yet."""
-        return self._pfut.result()
-
-    def exception(self) -> BaseException | None:
-        """The op's error, or None if it succeeded; InvalidStateError if not done yet."""
-        return self._pfut.exception()
-
-    def describe(self) -> str:
-        """The op, its group and the line that issued it."""
-        return f"{self._pcall.describe()} on group {self._pgname!r} at {fmt_site(self._psite)}"
-
-    def __repr__(self) -> str:
-        state = "done" if self._pfut.done() else "pending"
-        return f"<Work rank={self._prank} {self._pcall.describe()} on group {self._pgname!r} {state}>"
 
 
 class ProcessGroupComm(Comm):
@@ -913,10 +885,9 @@ class ProcessGroupComm(Comm):
     __slots__ = ("_iss",)
 
     def __init__(self, pg: dist.ProcessGroup, *, timeout: float | None = None) -> None:
-        # Comm's own state is the in-process engine's; none of it is used here
-        self._iss = Issuer.of(pg, timeout)
-        self.rank = self._iss.rank
-        self.world_size = self._iss.size
+        iss = Issuer.of(pg, timeout)
+        super().__init__(iss.rank, iss.size)
+        self._iss = iss
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -953,62 +924,41 @@ class ProcessGroupComm(Comm):
     def __repr__(self) -> str:
         return f"<Comm rank={self.rank}/{self.world_size} group={self.group_name!r} backend={self.backend}>"
 
-    def statistics(self) -> dict[str, Any]:
-        """This process's view of the group: its rank, ops pending and completed.
+    def statistics(self) -> Statistics:
+        """This process's view of the group, frozen: its ops pending and completed.
 
-        ``{"rank": 0, "world_size": 2, "group": "0", "backend": "gloo", "pending": 1,
-        "completed": 12}``: peers live in other processes, so their state is not known.
+        Peers live in other processes, so their state is not known: they are ``"remote"``
+        in ``ranks``, and this rank is the one that is not::
+
+            s = comm.statistics()
+            me = s.ranks[comm.rank]          # state "running", completed = ops done here
+            print(s.backend, s.pending_collectives, s.pending_p2p, me.completed)
         """
         iss = self._iss
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "group": iss.name,
-            "backend": iss.backend,
-            "pending": len(iss.pending),
-            "completed": iss.completed,
-        }
+        p2p = sum(isinstance(c, _P2P) for c in iss.pending.values())
+        return Statistics(
+            size=self.world_size,
+            aborted=False,
+            live_ranks=1,
+            blocked_ranks=0,
+            pending_collectives=len(iss.pending) - p2p,
+            pending_p2p=p2p,
+            ranks=tuple(
+                RankStatistics(g, "running", completed=iss.completed) if r == self.rank else RankStatistics(g, "remote")
+                for r, g in enumerate(iss.global_ranks)
+            ),
+            backend=iss.backend,
+        )
 
-    def _join(self, call: Any) -> Work:
-        site = self._site()
-        return PGWork(self._iss.issue(call), call, self.rank, self._iss.name, site)
+    def _join(self, call: ops.Call) -> PGWork:
+        return PGWork(self._iss.issue(call), call, self.rank, self._iss.name, self._site())
 
-    async def new_group(self, ranks: Sequence[int]) -> Comm | None:
-        """Make a sub-group of ``ranks`` (group-local); every rank of this group must call it.
+    def _group_seq(self) -> int:
+        # the issuer counts the groups made on its group as it issues their calls
+        return self._iss.groups_made
 
-        Returns the member's ``Comm`` (ranks renumbered in sorted order) or None. The new
-        process group is registered with torch.distributed (``comm.process_group``)::
-
-            evens = await comm.new_group([0, 2])
-        """
-        if not isinstance(ranks, (list, tuple, range)) or not ranks:
-            self._bad("new_group", "argument 'ranks': expected a non-empty list of ranks")
-        rs = sorted(self._root("new_group", f"ranks[{i}]", r) for i, r in enumerate(ranks))
-        if len(set(rs)) != len(rs):
-            self._bad("new_group", f"argument 'ranks': duplicate ranks in {list(ranks)}")
-        return await self._make(ops.NewGroup(tuple(rs)))
-
-    async def split(self, color: Hashable | None, key: Any = 0) -> Comm | None:
-        """MPI-style split: ranks with the same ``color`` form a group, ordered by (key, rank).
-
-        ``color=None`` joins no group and returns None; colors and keys travel pickled::
-
-            sub = await comm.split(color=comm.rank % 2, key=-comm.rank)
-        """
-        try:
-            hash(color)
-        except TypeError:
-            self._bad("split", f"argument 'color' must be hashable, got {type(color).__name__}")
-        call = ops.Split(color, key)
-        self._dumps("split", "color and key", (color, key))
-        return await self._make(call)
-
-    async def _make(self, call: ops.NewGroup | ops.Split) -> Comm | None:
+    async def _subgroup(self, part: ops.Partition, seq: int, call: ops.NewGroup | ops.Split) -> ProcessGroupComm | None:
         iss = self._iss
-        seq = iss.groups_made
-        iss.groups_made += 1
-        site = call_site(2)
-        part = await PGWork(iss.issue(call), call, self.rank, iss.name, site)
         members = part.groups[self.rank]
         if members is None:
             return None

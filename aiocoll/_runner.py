@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from . import _device
+from . import _cuda, _device
 from ._cuda import Issue
 from ._errors import AiocollError, CollectiveMismatchError, WorldAbortedError
 from ._liveness import Liveness
@@ -162,7 +162,7 @@ class OpRunner(Generic[W]):
             self._liveness.in_flight -= 1
             return
         if where is _device.Placement.CUDA:
-            fut = _device.run_cuda(self._loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
+            fut = _cuda.run_cuda(self._loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
             for w in rdv.works:
                 if w is not None:
                     w._enqueued()

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from . import _c10d, _torch
 from ._comm import Comm
-from ._engine import Phase, RankState, Work, World, install_task_tracking, rank_var
+from ._engine import EngineWork, Phase, RankState, World, install_task_tracking, rank_var
+from ._engine_comm import EngineComm
 from ._errors import InvalidArgumentError, WorldAbortedError
 from ._faults import Fault, FaultPlan
 from ._locals import RankLocals
@@ -382,7 +383,7 @@ async def spawn_async(
     return [r.result() for r in runners]
 
 
-def warn_unmatched(works: list[Work], what: str, stacklevel: int) -> None:
+def warn_unmatched(works: list[EngineWork], what: str, stacklevel: int) -> None:
     """Warn about ``works`` still pending though every rank has ended (``stacklevel`` as seen by the caller).
 
     They were issued and never matched: in a real job they would hang or be dropped.
@@ -408,7 +409,7 @@ async def _run_rank(
     try:
         if session is not None:
             session.start()
-        result = await fn(Comm(w, w.group, st.rank))
+        result = await fn(EngineComm(w, w.group, st.rank))
     except BaseException as e:
         _failed(w, st, e, failures)
         raise
@@ -485,7 +486,7 @@ def _start_thread(
                 if session is not None:
                     session.start()
                 try:
-                    ok, value = True, fn(Comm(w, w.group, st.rank, threaded=True))
+                    ok, value = True, fn(EngineComm(w, w.group, st.rank, threaded=True))
                 finally:
                     if session is not None:
                         session.finish()

@@ -71,7 +71,7 @@ import torch
 
 from . import _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
-from ._engine import Phase, RankState, Work, World, current_rank_state, rank_var
+from ._engine import EngineWork, Phase, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort, warn_unmatched
 
@@ -221,7 +221,7 @@ class _HarnessRun:
             _failed(self.world, st, exc, self.failures)  # a root cause aborts the world
         st.leave()
 
-    def close(self) -> list[Work]:
+    def close(self) -> list[EngineWork]:
         """After the harness joined its threads: release any straggler, stop the loop.
 
         Returns the operations still unmatched though every rank ended normally.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import doctest
 import importlib
 
@@ -10,7 +11,11 @@ import pytest
 import torch
 
 import aiocoll
-from aiocoll import Comm
+from aiocoll import Comm, RankStatistics, Statistics
+from aiocoll._engine import EngineWork
+from aiocoll._engine_comm import EngineComm
+from aiocoll._ops import Barrier
+from aiocoll._pg import PGWork, ProcessGroupComm
 
 
 def test_public_names() -> None:
@@ -28,7 +33,9 @@ def test_public_names() -> None:
         "InvalidArgumentError",
         "TorchCompatError",
         "OpInfo",
+        "RankStatistics",
         "SeedFailure",
+        "Statistics",
         "Work",
         "WorldAbortedError",
         "__version__",
@@ -92,6 +99,55 @@ def test_reprs_and_work(loop: str) -> None:
     assert res[1][3] is True  # rank 1 was the last arrival: its work completed on the spot
 
 
+def test_comm_and_work_are_abstract_interfaces() -> None:
+    # what users annotate with and isinstance-check against; each kind implements all of it
+    with pytest.raises(TypeError, match="abstract"):
+        aiocoll.Comm(0, 1)  # type: ignore[abstract]
+    with pytest.raises(TypeError, match="abstract"):
+        aiocoll.Work(None, None, None)  # type: ignore[abstract,arg-type]
+    for cls in (EngineComm, ProcessGroupComm, EngineWork, PGWork):
+        assert not getattr(cls, "__abstractmethods__", None), f"{cls.__name__} leaves methods abstract"
+    assert issubclass(EngineComm, aiocoll.Comm)
+    assert issubclass(ProcessGroupComm, aiocoll.Comm)
+    assert issubclass(EngineWork, aiocoll.Work)
+    assert issubclass(PGWork, aiocoll.Work)
+
+
+def test_engine_work_sets_every_field_of_work() -> None:
+    # EngineWork sets Work's fields itself (no call to Work.__init__ on the hot path):
+    # a field added to Work must be set there too
+    async def fn(comm: Comm) -> list[str]:
+        assert isinstance(comm, EngineComm)
+        w = comm.all_reduce(torch.ones(1))
+        assert isinstance(w, aiocoll.Work)
+        await w
+        return [name for name in aiocoll.Work.__slots__ if not hasattr(w, name)]
+
+    assert aiocoll.spawn(fn, world=2) == [[], []]
+
+
+def test_process_group_work_shares_the_interface() -> None:
+    # the base's behaviour on a work that does not come from the engine
+    loop = asyncio.new_event_loop()
+    try:
+        fut: asyncio.Future[object] = loop.create_future()
+        w = PGWork(fut, Barrier(), 1, "0", ("train.py", 7))
+        assert [name for name in aiocoll.Work.__slots__ if not hasattr(w, name)] == []
+        assert isinstance(w, aiocoll.Work)
+        assert repr(w) == "<Work rank=1 barrier() on group '0' pending>"
+        assert w.describe() == "barrier() on group '0' at train.py:7"
+        assert (w.done(), w.is_completed()) == (False, False)
+        tf = w.torch_future("value")
+        fut.set_result(None)
+        assert loop.run_until_complete(w) is None  # awaitable, on its loop
+        assert (w.done(), w.is_completed(), w.result(), w.exception()) == (True, True, None, None)
+        assert w.wait() is None  # done: no blocking, from any thread
+        assert tf.wait() == "value"
+        assert repr(w).endswith(" done>")
+    finally:
+        loop.close()
+
+
 def test_object_collectives(loop: str) -> None:
     async def fn(comm: Comm) -> tuple[object, ...]:
         r = comm.rank
@@ -147,7 +203,7 @@ def test_reduce_leaves_non_destination_untouched(loop: str) -> None:
 
 
 def test_statistics_snapshot(loop: str) -> None:
-    async def fn(comm: Comm) -> dict[str, object] | None:
+    async def fn(comm: Comm) -> dict[str, Statistics] | None:
         if comm.rank == 1:
             ready.set()
             await comm.all_reduce(torch.ones(1))  # blocks: rank 0 has not arrived
@@ -161,14 +217,54 @@ def test_statistics_snapshot(loop: str) -> None:
     res = aiocoll.spawn(fn, world=2, loop=loop)[0]
     assert res is not None
     before, after = res["before"], res["after"]
-    assert isinstance(before, dict)
-    assert isinstance(after, dict)
-    r0, r1 = before["ranks"]
-    assert r0 == {"rank": 0, "state": "running", "waiting": [], "waits_for": [], "completed": 0}
-    assert r1["state"] == "blocked"
-    assert r1["waiting"] == ["all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world'"]
-    assert r1["waits_for"] == [0]
-    assert before["blocked_ranks"] == 1
-    assert before["pending_collectives"] == 1
-    assert [r["completed"] for r in after["ranks"]] == [1, 1]
-    assert after["pending_collectives"] == 0
+    assert isinstance(before, Statistics)
+    assert isinstance(after, Statistics)
+    r0, r1 = before.ranks
+    assert r0 == RankStatistics(rank=0, state="running", waiting=(), waits_for=(), completed=0)
+    assert r1.state == "blocked"
+    assert r1.waiting == ("all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world'",)
+    assert r1.waits_for == (0,)
+    assert before.blocked_ranks == 1
+    assert before.pending_collectives == 1
+    assert [r.completed for r in after.ranks] == [1, 1]
+    assert after.pending_collectives == 0
+
+
+def test_statistics_are_frozen_snapshots() -> None:
+    async def fn(comm: Comm) -> tuple[Statistics, Statistics, str] | None:
+        if comm.rank == 1:
+            await comm.all_reduce(torch.ones(1))  # blocks until rank 0 has looked
+            return None
+        while comm.statistics().blocked_ranks == 0:
+            await asyncio.sleep(0)
+        before = comm.statistics()
+        shown = repr(before)
+        await comm.all_reduce(torch.ones(1))  # the world moves on: rank 1 is released, ops complete
+        return before, comm.statistics(), shown
+
+    res = aiocoll.spawn(fn, world=2)[0]
+    assert res is not None
+    before, after, shown = res
+    # the world changed, the snapshot taken before did not
+    assert after.blocked_ranks == 0
+    assert [r.completed for r in after.ranks] == [1, 1]
+    assert before.blocked_ranks == 1
+    assert before.pending_collectives == 1
+    assert [r.state for r in before.ranks] == ["running", "blocked"]
+    assert [r.completed for r in before.ranks] == [0, 0]
+    assert repr(before) == shown
+    assert shown == "<Statistics size=2 live=2 blocked=1 pending_collectives=1 pending_p2p=0: 1 running, 1 blocked>"
+    assert repr(before.ranks[1]) == (
+        "<RankStatistics rank=1 blocked in all_reduce(float32[1], op=ReduceOp.SUM) #0 on group 'world' "
+        "for ranks [0], completed=0>"
+    )
+    # frozen all the way down: no field can be assigned, nor can the sequences be changed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.blocked_ranks = 0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.ranks[1].state = "running"  # type: ignore[misc]
+    assert not hasattr(before, "__dict__")  # slots: nothing can be added either
+    assert isinstance(before.ranks, tuple)
+    assert isinstance(before.ranks[1].waiting, tuple)
+    assert isinstance(before.ranks[1].waits_for, tuple)
+    assert before.backend is None

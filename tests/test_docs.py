@@ -25,7 +25,10 @@ MODULES = sorted(
     ["aiocoll"] + [f"aiocoll.{m.name}" for m in pkgutil.iter_modules(aiocoll.__path__) if m.name != "__main__"]
 )
 # the modules that hold the public API's runnable examples: they must keep some
-WITH_EXAMPLES = {f"aiocoll.{m}" for m in ("_c10d", "_comm", "_engine", "_errors", "_ops", "_spawn")}
+WITH_EXAMPLES = {
+    f"aiocoll.{m}"
+    for m in ("_c10d", "_comm", "_engine", "_engine_comm", "_errors", "_ops", "_spawn", "_stats", "_work")
+}
 
 
 def _public_methods(cls: type) -> list[str]:

@@ -29,7 +29,7 @@ from aiocoll import (
     InjectedFault,
     WorldAbortedError,
 )
-from aiocoll._engine import Group, Work, World
+from aiocoll._engine import EngineWork, Group, World
 from aiocoll._faults import FaultPlan
 from aiocoll._ops import AllReduce, Barrier, Recv, Reduction, Send
 
@@ -45,10 +45,10 @@ def make_world(size: int, timeout: float | None = None) -> World:
     return world
 
 
-def issue(world: World, rank: int, call: Any, group: Group | None = None) -> Work:
+def issue(world: World, rank: int, call: Any, group: Group | None = None) -> EngineWork:
     """Rank ``rank`` (global) issues ``call`` on ``group`` (default: the world's), from "line" ``rank``."""
     g = world.group if group is None else group
-    return world.post(Work(g, g.index[rank], call, ("unit.py", rank)))
+    return world.post(EngineWork(g, g.index[rank], call, ("unit.py", rank)))
 
 
 def ones(*values: float) -> torch.Tensor:
@@ -62,7 +62,7 @@ async def until(cond: Callable[[], bool]) -> None:
             await asyncio.sleep(0.001)
 
 
-def error(work: Work) -> BaseException:
+def error(work: EngineWork) -> BaseException:
     assert work.done(), work
     exc = work.exception()
     assert exc is not None, work
@@ -346,10 +346,10 @@ async def test_snapshot_says_whom_a_rank_waits_for() -> None:
     w = issue(world, 0, Barrier())
     world.park(w)
     snap = world.ranks[0].snapshot()
-    assert snap["state"] == "blocked"
-    assert snap["waits_for"] == [1, 2]
-    assert world.ranks[1].snapshot()["state"] == "running"
-    assert world.statistics()["pending_collectives"] == 1
+    assert snap.state == "blocked"
+    assert snap.waits_for == (1, 2)
+    assert world.ranks[1].snapshot().state == "running"
+    assert world.statistics().pending_collectives == 1
 
 
 # -- the op runner ---------------------------------------------------------------------
@@ -454,7 +454,7 @@ async def test_a_seeded_schedule_releases_ranks_in_a_random_order() -> None:
         world = make_world(4)
         world.rng = None if seed is None else random.Random(seed)
         order: list[int] = []
-        works = [Work(world.group, r, Barrier(), None) for r in range(4)]
+        works = [EngineWork(world.group, r, Barrier(), None) for r in range(4)]
         for r, w in enumerate(works):
             w._fut.add_done_callback(lambda _, r=r: order.append(r))
         for w in works:
@@ -514,11 +514,11 @@ async def test_matched_p2p_leaves_the_deadlines_behind() -> None:
 # -- fault injection -------------------------------------------------------------------
 
 
-def inject(world: World, rank: int, call: Any) -> Work:
+def inject(world: World, rank: int, call: Any) -> EngineWork:
     """Issue ``call`` for ``rank`` as Comm does when faults are planned: a firing fault takes it."""
     assert world.faults is not None
-    work = Work(world.group, rank, call, ("unit.py", rank))
-    hit = world.faults.check(work)
+    work = EngineWork(world.group, rank, call, ("unit.py", rank))
+    hit = world.faults.check(rank, call.name, world.group.name)
     return world.post(work) if hit is None else world.inject(*hit, work)
 
 
@@ -578,7 +578,7 @@ async def test_a_failing_fault_raises_at_the_call() -> None:
 async def test_a_held_call_from_a_rank_thread_is_held_on_the_loop() -> None:
     world = make_world(2)
     world.faults = FaultPlan([Fault.hang(rank=1)], 2)
-    works: list[Work] = []
+    works: list[EngineWork] = []
     thread = threading.Thread(target=lambda: works.append(inject(world, 1, Barrier())))
     thread.start()
     thread.join(WAIT)

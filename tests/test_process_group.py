@@ -254,6 +254,13 @@ async def table(comm: aiocoll.Comm, *, any_source: bool = True) -> dict[str, obj
 # -- the per-process runner -------------------------------------------------------------------
 
 
+class Unpicklable:
+    """Hashable, so a valid color in-process, but it cannot travel to other processes."""
+
+    def __reduce__(self) -> str:
+        raise TypeError("this color refuses to be pickled")
+
+
 async def _process_only(comm: aiocoll.Comm, out: dict[str, object]) -> None:
     """What only real processes have: checked in this rank, recorded for the test."""
     out["repr"] = repr(comm)
@@ -262,6 +269,16 @@ async def _process_only(comm: aiocoll.Comm, out: dict[str, object]) -> None:
     out["work_repr"] = repr(work)
     await work
     out["work_after"] = [work.done(), work.result(), work.exception(), work.describe()]
+    # split's color and key travel pickled: refused before anything is sent, as the
+    # shared Comm.split hands the call to the process group
+    before = await comm.split(color=0)
+    made = comm.statistics().ranks[comm.rank].completed
+    try:
+        await comm.split(color=Unpicklable())
+    except aiocoll.InvalidArgumentError as e:
+        out["split/unpicklable"] = [str(e), comm.statistics().ranks[comm.rank].completed - made]
+    after = await comm.split(color=0)
+    out["split/names"] = [before and before.group_name, after and after.group_name]
 
     # the loop keeps serving a concurrent task while a large all_reduce is in flight
     big = torch.ones(8 * 1024 * 1024)  # 32 MB of float32
@@ -421,16 +438,23 @@ def test_repr_statistics_and_work(results: tuple[list[dict[str, object]], list[d
     g = results[0][1]
     assert g["repr"] == "<Comm rank=1/4 group='0' backend=gloo>"
     stats = g["statistics"]
-    assert isinstance(stats, dict)
-    assert stats["rank"] == 1
-    assert stats["backend"] == "gloo"
-    assert stats["pending"] == 0
-    assert stats["completed"] > 200
+    assert isinstance(stats, aiocoll.Statistics)
+    assert [r.rank for r in stats.ranks if r.state != "remote"] == [1]
+    assert stats.backend == "gloo"
+    assert stats.pending_collectives + stats.pending_p2p == 0
+    assert stats.ranks[1].completed > 200
     assert str(g["work_repr"]).startswith("<Work rank=1 all_reduce(float32[1], op=ReduceOp.SUM) on group '0' ")
     done, result, exc, describe = g["work_after"]  # type: ignore[misc]
     assert (done, result, exc) == (True, None, None)
     assert describe.startswith("all_reduce(float32[1], op=ReduceOp.SUM) on group '0' at ")
     assert describe.endswith("test_process_group.py:" + describe.rsplit(":", 1)[1])
+    message, sent = g["split/unpicklable"]  # type: ignore[misc]
+    assert message.startswith("split on rank 1: argument 'color and key': object of type tuple cannot be pickled")
+    assert sent == 0  # nothing was issued
+    # the refused split took no number: the groups made around it are numbered in a row
+    before, after = g["split/names"]  # type: ignore[misc]
+    n = int(before.removeprefix("0/aiocoll").removesuffix(".0"))
+    assert after == f"0/aiocoll{n + 1}.0"
 
 
 def test_loop_keeps_running_during_a_large_all_reduce(

@@ -1,0 +1,108 @@
+"""The package's shape: no import cycles among its modules.
+
+Every import counts, wherever it is: at the top, under ``if TYPE_CHECKING:`` or inside a
+function. A cycle hidden in a function or a type-checking block is still two modules that
+need each other, and the cure is to move code or to describe what is needed (a Protocol).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "aiocoll"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules of the package that ``path`` imports anywhere ("__init__" for the package itself)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == PACKAGE:
+                    out.add(parts[1] if len(parts) > 1 else "__init__")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level > 1:
+                pytest.fail(f"{path.name}: a relative import reaches outside the flat package")
+            if node.level == 1:
+                parts = node.module.split(".") if node.module else []
+            elif node.module is not None and node.module.split(".")[0] == PACKAGE:
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            if parts:
+                out.add(parts[0])
+            else:  # from . import x / from aiocoll import x: a module, or a name of the package's own
+                out.update(a.name if a.name in MODULES else "__init__" for a in node.names)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: _imports(ROOT / f"{m}.py") - {m} for m in MODULES}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, ..., a], or None if it has none (depth-first search)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        color[m] = GREY
+        stack.append(m)
+        for dep in sorted(graph.get(m, ())):
+            if color.get(dep, BLACK) == GREY:
+                return [*stack[stack.index(dep) :], dep]
+            if color.get(dep) == WHITE:
+                found = visit(dep)
+                if found is not None:
+                    return found
+        stack.pop()
+        color[m] = BLACK
+        return None
+
+    for m in sorted(graph):
+        if color[m] == WHITE:
+            found = visit(m)
+            if found is not None:
+                return found
+    return None
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    # the checker itself: imports at the top, under TYPE_CHECKING and in functions all count
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import aiocoll\n"
+        "from . import _ops as ops\n"
+        "from ._engine import World\n"
+        "if TYPE_CHECKING:\n"
+        "    from ._faults import Fault\n"
+        "def f():\n"
+        "    from . import _cuda\n"
+        "    import aiocoll._pg\n"
+        "    from aiocoll._spawn import spawn\n"
+        "    from . import Comm\n",
+        encoding="utf-8",
+    )
+    assert _imports(src) == {"__init__", "_ops", "_engine", "_faults", "_cuda", "_pg", "_spawn"}
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_known_modules_are_seen() -> None:
+    graph = _graph()
+    assert {"_engine", "_comm", "_pg", "_cuda", "_device", "_faults"} <= set(graph)
+    assert "_engine" in graph["_spawn"]  # a guard: the parse finds real edges
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle among aiocoll's modules: " + " -> ".join(cycle or [])
