@@ -193,9 +193,7 @@ _SKIPPED: set[CodeType] = set()
 
 
 def _skipped(code: CodeType) -> bool:
-    """Whether a frame running ``code`` is torch's or aiocoll's rather than the user's."""
-    if code in _SKIPPED:
-        return True
+    """Whether a frame running ``code``, not yet in ``_SKIPPED``, is torch's or aiocoll's rather than the user's."""
     if code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
         _SKIPPED.add(code)
         return True

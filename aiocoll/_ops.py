@@ -88,12 +88,8 @@ class Reduction:
         plain = _PLAIN.get(id(op))  # the common case, without torch's slow enum comparisons
         if plain is not None:
             return plain
-        if type(op) is dist.ReduceOp:  # what torch.distributed hands a backend: compare plain ints
-            kind = getattr(op, "op")  # noqa: B009  (the stubs omit it)
-            value = kind.value
-            if value != _PREMUL_VALUE:
-                return _PLAIN[id(_CANON[value])]
-            return _reduction(value, _torch.premul_factor(op))
+        if type(op) is dist.ReduceOp:  # what torch.distributed hands a backend on every call
+            return _unwrap(op)
         if isinstance(op, Reduction):
             return op
         if isinstance(op, str):
@@ -112,12 +108,8 @@ class Reduction:
                     "torch.distributed._make_nccl_premul_sum(factor)"
                 )
             return _reduction(op.value)
-        if isinstance(op, dist.ReduceOp):
-            # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both.
-            kind = getattr(op, "op")  # noqa: B009
-            if kind == _R.PREMUL_SUM:
-                return _reduction(kind.value, _torch.premul_factor(op))
-            return _reduction(kind.value)
+        if isinstance(op, dist.ReduceOp):  # (a subclass; checked after RedOpType, which passes it too)
+            return _unwrap(op)
         raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
 
     @property
@@ -173,6 +165,13 @@ def _reduction(value: int, factor: float | torch.Tensor | None = None) -> Reduct
     if factor is None:
         return _PLAIN[id(kind)]
     return Reduction(kind, factor)
+
+
+def _unwrap(op: dist.ReduceOp) -> Reduction:
+    # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both. Compared
+    # as plain ints: comparing the enum members costs about a microsecond
+    value = getattr(op, "op").value  # noqa: B009
+    return _reduction(value, _torch.premul_factor(op) if value == _PREMUL_VALUE else None)
 
 
 _DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
