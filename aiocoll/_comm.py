@@ -163,8 +163,7 @@ class Comm(abc.ABC):
 
     def _reduction(self, op: str, red: object, dtype: torch.dtype) -> ops.Reduction:
         try:
-            r = ops.Reduction.of(red)
-            r.check_dtype(dtype, "op")
+            r = ops.checked_reduction(red, dtype)
         except InvalidArgumentError as e:
             self._bad(op, str(e))
         return r
