@@ -95,9 +95,9 @@ class EngineComm(Comm):
 def rank_generator(seed: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
     """A random generator of the calling rank's own, seeded from ``seed`` and the rank.
 
-    Ranks share torch's global RNG: async ranks share one thread, and the CPU generator
-    is process-wide for threads too, so ``torch.manual_seed`` in one rank moves the
-    others' random streams. Draw from a generator per rank instead::
+    Async ranks share torch's global generators (they are tasks of one thread), so
+    ``torch.manual_seed`` in one rank moves the others' random streams. Draw from a
+    generator per rank instead (sync ranks have their own global generators already)::
 
         g = aiocoll.rank_generator(seed=0)       # differs per rank, same every run
         x = torch.randn(3, generator=g)
