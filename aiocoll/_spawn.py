@@ -500,7 +500,8 @@ def _start_thread(
                     settle(ok, value)
                     st.leave()
             finally:  # whatever happens, the others must not wait for this rank's turn
-                RankLocals.unbind()
+                if rank_locals is not None:
+                    rank_locals.unbind(st.rank)
                 turns.end(st.rank)
         w.call_soon_threadsafe(done, ok, value)  # the thread's last act
 

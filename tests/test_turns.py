@@ -92,6 +92,95 @@ def test_ranks_start_from_the_callers_states_and_leave_them_alone() -> None:
     assert random.random() == random.Random(5).random()
 
 
+def _tensors_made_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that turn saved torch generator states into tensors, one per state."""
+    from aiocoll._locals import _TorchStates
+
+    real = _TorchStates._to_tensor
+    threads: list[str] = []
+
+    def to_tensor(self: _TorchStates, rank: int, gen: torch.Generator) -> None:
+        threads.append(threading.current_thread().name)
+        real(self, rank, gen)
+
+    monkeypatch.setattr(_TorchStates, "_to_tensor", to_tensor)
+    return threads
+
+
+def _own_stream(comm: Comm, group: Any = None, rounds: int = 4) -> list[float]:
+    """Draws from the rank's own seeded stream, with collectives (other ranks drawing) in between."""
+    torch.manual_seed(10 + comm.rank)
+    out = torch.randn(1).tolist()
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        out += torch.randn(1).tolist()
+    return out
+
+
+def _expected_stream(rank: int, rounds: int = 4) -> list[float]:
+    torch.manual_seed(10 + rank)
+    return [torch.randn(1).item() for _ in range(rounds + 1)]
+
+
+def test_generator_states_become_tensors_in_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every rank thread making tensors of the states pins memory in each (see _TorchStates)
+    made_in = _tensors_made_in(monkeypatch)
+    out = aiocoll.spawn(_own_stream, world=6)
+    assert out == [_expected_stream(r) for r in range(6)]
+    assert len(made_in) >= 6 * 3  # (a rank that completes a barrier goes on: no hand-over)
+    assert set(made_in) == {"aiocoll rank 0"}  # the first rank to take a turn
+
+
+def test_ranks_keep_their_generators_while_the_keeper_is_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    made_in = _tensors_made_in(monkeypatch)
+
+    def fn(comm: Comm) -> list[float]:
+        others = dist.new_group([1, 2, 3])
+        t = torch.zeros(1)
+        if comm.rank == 0:  # the keeper waits while the others hand over among themselves
+            torch.manual_seed(10)
+            first = torch.randn(1).tolist()
+            dist.recv(t, src=3)
+            return first + torch.randn(4).tolist()
+        out = _own_stream(comm, others)
+        if comm.rank == 3:
+            dist.send(t, dst=0)
+        return out
+
+    out = aiocoll.spawn(fn, world=4)
+    assert out == [_expected_stream(r) for r in range(4)]
+    assert len(set(made_in)) > 1  # the others made their own meanwhile
+
+
+def test_the_next_rank_keeps_the_states_once_the_keeper_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    made_in = _tensors_made_in(monkeypatch)
+
+    def fn(comm: Comm) -> list[float]:
+        others = dist.new_group([1, 2, 3])
+        if comm.rank == 0:
+            return _expected_stream(0)
+        return _own_stream(comm, others, rounds=8)
+
+    out = aiocoll.spawn(fn, world=4)
+    assert out[1:] == [_expected_stream(r, rounds=8) for r in range(1, 4)]
+    assert len(set(made_in) - {"aiocoll rank 0"}) == 1
+
+
+def test_generators_are_swapped_under_inference_mode() -> None:
+    def fn(comm: Comm) -> list[float]:
+        torch.manual_seed(10 + comm.rank)
+        with torch.inference_mode():  # hands over inside it, and out of it below
+            out = torch.randn(1).tolist()
+            dist.barrier()
+            out += torch.randn(1).tolist()
+        dist.barrier()
+        return out + torch.randn(3).tolist()
+
+    for mode in (False, True):
+        with torch.inference_mode(mode):
+            assert aiocoll.spawn(fn, world=3) == [_expected_stream(r) for r in range(3)]
+
+
 def test_parallel_ranks_share_the_generators() -> None:
     seen: list[bool] = []
 
