@@ -277,10 +277,12 @@ async def spawn_async(
         w.rng = random.Random(schedule_seed)
         w.rng.shuffle(order)  # which rank starts first, too
     rank_locals: RankLocals | None = None
+    cpus: SameCpu | None = None
     if sync_ranks == "turns" and hybrid is None and not _is_async(fn):
         # (a hybrid world's bridge runs on the loop: its sync ranks run in parallel)
         rank_locals = RankLocals(world)
-        w.take_turns(Turns(world, w.rng, rank_locals.switch, SameCpu.detect(world)))
+        cpus = SameCpu.detect(world)
+        w.take_turns(Turns(world, w.rng, rank_locals.switch, cpus))
     sessions: list[_c10d.RankSession | None] = [None] * world
     if torch_distributed:
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -307,14 +309,21 @@ async def spawn_async(
         else:
             if w.turns is not None:
                 # Every rank is live before the first one runs (or a rank blocked early
-                # would look deadlocked); the first runs as soon as its thread starts,
-                # while the others are being started.
+                # would look deadlocked).
                 for st in local:
                     st.enter()
-                w.turns.start(st.rank for st in order)
                 watch = StallWatch(w.turns, loop)
                 watch.start()
-            runners = [_start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local]
+            try:
+                with cpus.starting() if cpus is not None else contextlib.nullcontext():
+                    runners = [
+                        _start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local
+                    ]
+            finally:
+                if w.turns is not None:
+                    # The first rank runs once every thread is started: starting a thread
+                    # waits for it to take the GIL, which a running rank would hold.
+                    w.turns.start(st.rank for st in order)
         for st, r in zip(local, runners, strict=True):
             # Count each rank live from now, not from its first step: a rank whose task
             # has not started yet is not absent.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import ctypes
 import os
 import queue
@@ -35,7 +36,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -58,13 +59,14 @@ class SameCpu:
     True
     """
 
-    __slots__ = ("_getcpu", "_masks", "_pinned", "_tids", "on")
+    __slots__ = ("_getcpu", "_masks", "_pinned", "_started_from", "_tids", "on")
 
     def __init__(self, size: int, getcpu: Callable[[], int]) -> None:
         self._getcpu = getcpu
         self._tids = [0] * size  # each rank's native thread id, once it runs
         self._masks: list[set[int]] = [set()] * size  # the CPUs each rank's thread may run on
         self._pinned = [False] * size
+        self._started_from: set[int] | None = None  # the CPUs of the thread that started the ranks pinned
         self.on = True
 
     @classmethod
@@ -81,9 +83,44 @@ class SameCpu:
         getcpu.argtypes = []
         return cls(size, getcpu)
 
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around starting the rank threads: they start on the CPU of the thread that starts them.
+
+        ``Thread.start`` waits for the new thread to run; with the new thread on another
+        CPU, each start costs cross-CPU wake-ups (73 against 29 us a thread here). The
+        threads inherit the pinned CPU, and each gets the CPUs of the starting thread
+        back at its first turn (``unpin``); the starting thread gets them back at once.
+        """
+        mask: set[int] | None = None
+        if self.on:
+            try:
+                mask = os.sched_getaffinity(0)
+                cpu = self._getcpu()
+                if cpu < 0:
+                    raise OSError(ctypes.get_errno(), "sched_getcpu failed")
+                os.sched_setaffinity(0, (cpu,))
+            except OSError:
+                self.on = False
+                mask = None
+        self._started_from = mask  # (kept: a rank thread may register after this returns)
+        try:
+            yield
+        finally:
+            if mask is not None:
+                try:
+                    os.sched_setaffinity(0, mask)
+                except OSError:
+                    self.on = False
+
     def register(self, rank: int) -> None:
         """In rank ``rank``'s thread, before its first turn."""
-        self._masks[rank] = os.sched_getaffinity(0)
+        started_from = self._started_from
+        if started_from is not None:  # started pinned (see starting): unpinned at its first turn
+            self._masks[rank] = started_from
+            self._pinned[rank] = True
+        else:
+            self._masks[rank] = os.sched_getaffinity(0)
         self._tids[rank] = threading.get_native_id()
 
     def pin(self, rank: int) -> None:

@@ -402,6 +402,37 @@ def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
 
 
 @_affinity
+def test_rank_threads_start_on_the_starting_threads_cpu_and_get_its_cpus_back() -> None:
+    import os
+
+    mask = os.sched_getaffinity(0)
+    cpus = SameCpu.detect(1)
+    assert cpus is not None
+    seen: dict[str, set[int]] = {}
+    registered, go = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        seen["started"] = os.sched_getaffinity(0)
+        cpus.register(0)
+        registered.set()
+        go.wait(10)
+        cpus.unpin(0)  # its first turn
+        seen["running"] = os.sched_getaffinity(0)
+
+    th = threading.Thread(target=rank)
+    with cpus.starting():
+        seen["starting"] = os.sched_getaffinity(0)
+        th.start()
+    assert os.sched_getaffinity(0) == mask  # the starting thread's CPUs, back at once
+    assert registered.wait(10)  # (whether it registers before or after starting() ends)
+    go.set()
+    th.join(10)
+    assert len(seen["starting"]) == 1
+    assert seen["started"] == seen["starting"]
+    assert seen["running"] == mask
+
+
+@_affinity
 def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
     import os
 
@@ -414,3 +445,4 @@ def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
 
     mask = os.sched_getaffinity(0)
     assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0)] * 3
+    assert os.sched_getaffinity(0) == mask  # the thread that called spawn, too
