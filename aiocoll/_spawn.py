@@ -316,8 +316,10 @@ async def spawn_async(
                 watch.start()
             try:
                 with cpus.starting() if cpus is not None else contextlib.nullcontext():
+                    endings = None if w.turns is None else _Endings(w, len(local))
                     runners = [
-                        _start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals) for st in local
+                        _start_thread(w, st, fn, sessions[st.rank], failures, threads, rank_locals, endings)
+                        for st in local
                     ]
             finally:
                 if w.turns is not None:
@@ -462,8 +464,10 @@ def _start_thread(
     failures: list[tuple[int, BaseException]],
     threads: list[threading.Thread],
     rank_locals: RankLocals | None,
+    endings: _Endings | None,
 ) -> asyncio.Future[T]:
-    """Run a sync rank in its own thread; the returned future completes when it ends."""
+    """Run a sync rank in its own thread; the returned future completes when it ends
+    (ranks taking turns: when they all have)."""
     fut: asyncio.Future[T] = w.loop.create_future()
     turns = w.turns
 
@@ -512,13 +516,47 @@ def _start_thread(
                 if rank_locals is not None:
                     rank_locals.unbind(st.rank)
                 turns.end(st.rank)
-        w.call_soon_threadsafe(done, ok, value)  # the thread's last act
+        # the thread's last act
+        if endings is not None:
+            endings.ended(done, ok, value)
+        else:
+            w.call_soon_threadsafe(done, ok, value)
 
     # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
     thread = threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True)
     threads.append(thread)
     thread.start()
     return fut
+
+
+class _Endings:
+    """The ends of a world's rank threads taking turns, told to the loop at once when the last one ends.
+
+    Their outcomes are settled in their own threads, in turn order; the loop only needs
+    them to return. A wake-up of the loop per rank would make the loop thread take the
+    GIL while the next rank runs, W times (10-15 us each here).
+    """
+
+    __slots__ = ("_left", "_lock", "_outcomes", "_world")
+
+    def __init__(self, w: World, count: int) -> None:
+        self._world = w
+        self._lock = threading.Lock()
+        self._left = count
+        self._outcomes: list[tuple[Callable[[bool, Any], None], bool, Any]] = []
+
+    def ended(self, done: Callable[[bool, Any], None], ok: bool, value: Any) -> None:
+        """In a rank thread, as its last act: ``done(ok, value)`` is to run on the loop."""
+        with self._lock:
+            self._outcomes.append((done, ok, value))
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._world.call_soon_threadsafe(self._tell)
+
+    def _tell(self) -> None:
+        for done, ok, value in self._outcomes:
+            done(ok, value)
 
 
 def _secondary(w: World, e: BaseException) -> bool:

@@ -298,6 +298,28 @@ def test_get_future_waits_for_the_work_giving_the_turn_away() -> None:
     assert aiocoll.spawn(fn, world=3) == [6.0, 6.0, 6.0]
 
 
+def test_rank_threads_wake_the_loop_once_as_they_end() -> None:
+    import asyncio
+
+    wakes: list[object] = []
+
+    class Loop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+            wakes.append(callback)
+            return super().call_soon_threadsafe(callback, *args, **kwargs)
+
+    def fn(comm: Comm) -> int:
+        dist.barrier()
+        return comm.rank
+
+    counts = []
+    for world in (2, 16):
+        wakes.clear()
+        assert aiocoll.spawn(fn, world=world, loop=Loop) == list(range(world))
+        counts.append(len(wakes))
+    assert counts[0] == counts[1]  # not one per rank
+
+
 def test_sync_ranks_is_checked() -> None:
     with pytest.raises(aiocoll.InvalidArgumentError, match="'sync_ranks' must be 'turns' or 'parallel'"):
         aiocoll.spawn(lambda comm: None, world=2, sync_ranks="threads")  # type: ignore[call-overload]
