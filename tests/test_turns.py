@@ -414,6 +414,32 @@ def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None
 
 
 @_affinity
+def test_a_woken_rank_waits_for_the_waking_thread_to_sleep_then_gets_its_policy_back() -> None:
+    import os
+
+    cpu = min(os.sched_getaffinity(0))
+    cpus = SameCpu(1, lambda: cpu, batch=True)
+    seen: dict[str, int] = {}
+    registered, pinned = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        cpus.register(0)
+        registered.set()
+        pinned.wait(10)
+        seen["woken"] = os.sched_getscheduler(0)  # SCHED_BATCH: it does not preempt the waking thread
+        cpus.unpin(0)
+        seen["running"] = os.sched_getscheduler(0)
+
+    th = threading.Thread(target=rank)
+    th.start()
+    assert registered.wait(10)
+    cpus.pin(0)
+    pinned.set()
+    th.join(10)
+    assert seen == {"woken": os.SCHED_BATCH, "running": os.SCHED_OTHER}
+
+
+@_affinity
 def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
     cpus = SameCpu(1, lambda: 1 << 20)  # a CPU that does not exist: sched_setaffinity fails
     cpus.register(0)  # (this thread stands for the rank)
@@ -431,15 +457,18 @@ def test_rank_threads_start_on_the_starting_threads_cpu_and_get_its_cpus_back() 
     cpus = SameCpu.detect(1)
     assert cpus is not None
     seen: dict[str, set[int]] = {}
+    policies: list[int] = []
     registered, go = threading.Event(), threading.Event()
 
     def rank() -> None:
         seen["started"] = os.sched_getaffinity(0)
+        policies.append(os.sched_getscheduler(0))
         cpus.register(0)
         registered.set()
         go.wait(10)
         cpus.unpin(0)  # its first turn
         seen["running"] = os.sched_getaffinity(0)
+        policies.append(os.sched_getscheduler(0))
 
     th = threading.Thread(target=rank)
     with cpus.starting():
@@ -452,19 +481,26 @@ def test_rank_threads_start_on_the_starting_threads_cpu_and_get_its_cpus_back() 
     assert len(seen["starting"]) == 1
     assert seen["started"] == seen["starting"]
     assert seen["running"] == mask
+    if cpus._batch:  # the caller runs under SCHED_OTHER: started under SCHED_BATCH, as if woken by a hand-over
+        assert policies == [os.SCHED_BATCH, os.SCHED_OTHER]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 @_affinity
 def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
     import os
 
-    def fn(comm: Comm) -> tuple[set[int], set[int], float]:
+    def fn(comm: Comm) -> tuple[set[int], set[int], float, list[int]]:
         before = os.sched_getaffinity(0)
+        policies = [os.sched_getscheduler(0)]
         t = torch.ones(1)
         for _ in range(20):
             dist.all_reduce(t.fill_(1.0))
-        return before, os.sched_getaffinity(0), t.item()
+            policies.append(os.sched_getscheduler(0))
+        return before, os.sched_getaffinity(0), t.item(), sorted(set(policies))
 
     mask = os.sched_getaffinity(0)
-    assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0)] * 3
+    other = [os.SCHED_OTHER]
+    assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0, other)] * 3
     assert os.sched_getaffinity(0) == mask  # the thread that called spawn, too
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
