@@ -88,9 +88,10 @@ class _TorchStates:
         if self._keeper is None:
             self._keeper = new
         if new == self._keeper:
-            pending = self._pending
+            pending, ended = self._pending, self._ended
             for rank, gen in pending.items():
-                self._to_tensor(rank, gen)
+                if not ended[rank]:
+                    self._to_tensor(rank, gen)
             pending.clear()
         else:
             own = self._pending.pop(new, None)
@@ -102,9 +103,12 @@ class _TorchStates:
         self._cpu[rank] = gen.get_state()
 
     def ended(self, rank: int) -> None:
-        """Rank ``rank``'s thread ends: its states are dropped; if it was the keeper, the next to take a turn is."""
+        """Rank ``rank``'s thread ends: its states are dropped; if it was the keeper, the next to take a turn is.
+
+        Only marks: a rank that ends while others run at once (after an abort, or
+        detached) must not change ``_pending`` under a switch going through it.
+        """
         self._ended[rank] = True
-        self._pending.pop(rank, None)
         if rank == self._keeper:
             self._keeper = None
 
