@@ -65,12 +65,9 @@ class _TorchStates:
 
     __slots__ = ("_cpu", "_cuda", "_ended", "_fresh_cuda", "_keeper", "_pending")
 
-    def __init__(self, size: int) -> None:
-        # a normal tensor even if spawn is called under inference_mode; every rank
-        # starts from it (set_state only reads it: one tensor for all)
-        with torch.inference_mode(False):
-            cpu = torch.default_generator.get_state()
-            cuda = [g.get_state() for g in _cuda_generators()]
+    def __init__(self, size: int, cpu: torch.Tensor, cuda: list[torch.Tensor]) -> None:
+        # every rank starts from the states of the thread that called spawn: one tensor
+        # for all, as set_state only reads it (and nothing here updates a state in place)
         self._cpu = [cpu] * size
         self._cuda: list[list[torch.Tensor] | None] = [list(cuda) for _ in range(size)]
         self._fresh_cuda: list[torch.Tensor] | None = None
@@ -228,7 +225,7 @@ class RankLocals:
         self.size = size
         self._caller = torch.default_generator.get_state()
         self._caller_cuda = [g.get_state() for g in _cuda_generators()]
-        self._torch = _TorchStates(size)
+        self._torch = _TorchStates(size, self._caller, self._caller_cuda)
         self._loaded: int | None = None  # whose torch states the generators hold now
         # each rank's instances start from these states, made on its first draw
         self._initial: dict[str, Any] = {"python": random.getstate()}

@@ -489,22 +489,22 @@ def _start_thread(
         rank_var().set(st)
         ok, value = False, cast(Any, None)
         # as torch's threaded process group does: autograd must not hand work to its
-        # own device threads from a rank thread
-        with torch.autograd.set_multithreading_enabled(False):
+        # own device threads from a rank thread (a setting of this thread: not undone, it ends)
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            if turns is not None:  # (a failure here is the rank's: it still ends its turn below)
+                assert rank_locals is not None
+                rank_locals.bind(st.rank)
+                turns.begin(st.rank)
+            if session is not None:
+                session.start()
             try:
-                if turns is not None:  # (a failure here is the rank's: it still ends its turn below)
-                    assert rank_locals is not None
-                    rank_locals.bind(st.rank)
-                    turns.begin(st.rank)
+                ok, value = True, fn(EngineComm(w, w.group, st.rank, threaded=True))
+            finally:
                 if session is not None:
-                    session.start()
-                try:
-                    ok, value = True, fn(EngineComm(w, w.group, st.rank, threaded=True))
-                finally:
-                    if session is not None:
-                        session.finish()
-            except BaseException as e:
-                ok, value = False, e
+                    session.finish()
+        except BaseException as e:
+            ok, value = False, e
         if turns is not None:
             # settled now, in turn order: a failure aborts the world before another rank runs
             assert w.lock is not None
