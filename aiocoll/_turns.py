@@ -69,15 +69,28 @@ class SameCpu:
     True
     """
 
-    __slots__ = ("_batch", "_batched", "_getcpu", "_masks", "_pinned", "_started_from", "_tids", "on")
+    __slots__ = (
+        "_batch",
+        "_batched",
+        "_getcpu",
+        "_masks",
+        "_pinned",
+        "_pinned_to",
+        "_start_cpu",
+        "_started_from",
+        "_tids",
+        "on",
+    )
 
     def __init__(self, size: int, getcpu: Callable[[], int], batch: bool = False) -> None:
         self._getcpu = getcpu
         self._tids = [0] * size  # each rank's native thread id, once it runs
         self._masks: list[set[int]] = [set()] * size  # the CPUs each rank's thread may run on
         self._pinned = [False] * size
+        self._pinned_to = [-1] * size  # the CPU each pinned rank's thread is pinned to
         self._batched = [False] * size  # under SCHED_BATCH until its thread is woken
         self._started_from: set[int] | None = None  # the CPUs of the thread that started the ranks pinned
+        self._start_cpu = -1  # the CPU they started on
         self._batch = batch  # whether pin gives SCHED_BATCH
         self.on = True
 
@@ -119,6 +132,7 @@ class SameCpu:
                 self.on = False
                 mask = None
             else:
+                self._start_cpu = cpu
                 batch = self._set_batch(0)
         self._started_from = mask  # (kept: a rank thread may register after this returns)
         try:
@@ -138,6 +152,7 @@ class SameCpu:
         if started_from is not None:  # started pinned (see starting): unpinned at its first turn
             self._masks[rank] = started_from
             self._pinned[rank] = True
+            self._pinned_to[rank] = self._start_cpu
             self._batched[rank] = self._batch
         else:
             self._masks[rank] = os.sched_getaffinity(0)
@@ -152,11 +167,14 @@ class SameCpu:
             cpu = self._getcpu()
             if cpu < 0:
                 raise OSError(ctypes.get_errno(), "sched_getcpu failed")
+            if self._pinned[rank] and self._pinned_to[rank] == cpu and self._batched[rank] == self._batch:
+                return  # as it is still from its start (it has not run since)
             os.sched_setaffinity(tid, (cpu,))
         except OSError:
             self.on = False
             return
         self._pinned[rank] = True
+        self._pinned_to[rank] = cpu
         if self._batch and self._set_batch(tid):
             self._batched[rank] = True
 

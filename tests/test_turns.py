@@ -440,6 +440,38 @@ def test_a_woken_rank_waits_for_the_waking_thread_to_sleep_then_gets_its_policy_
 
 
 @_affinity
+def test_a_rank_still_pinned_from_its_start_is_not_pinned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    cpus = SameCpu.detect(1)
+    assert cpus is not None
+    registered, go = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        cpus.register(0)
+        registered.set()
+        go.wait(10)
+        cpus.unpin(0)
+
+    th = threading.Thread(target=rank)
+    with cpus.starting():
+        th.start()
+    assert registered.wait(10)
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus._start_cpu})  # back on the CPU it started on, as a rank handing over
+    calls: list[object] = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: calls.append(a) or real(*a))
+    try:
+        cpus.pin(0)
+    finally:
+        real(0, mask)
+    assert calls == []
+    go.set()
+    th.join(10)
+
+
+@_affinity
 def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
     cpus = SameCpu(1, lambda: 1 << 20)  # a CPU that does not exist: sched_setaffinity fails
     cpus.register(0)  # (this thread stands for the rank)
