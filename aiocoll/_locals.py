@@ -6,8 +6,8 @@ builds a different model on each rank whenever the threads interleave. Sync rank
 turns (see ``_turns``), and this module gives each its own generators:
 
 - torch's CPU generator (and each CUDA device's, once CUDA is initialised) cannot be
-  made per thread: the rank that takes its turn swaps its state in (under a microsecond
-  each way; only when another rank ran meanwhile);
+  made per thread: the rank that takes its turn swaps its state in (about 2 us, only
+  when another rank ran meanwhile; ``_TorchStates`` says how states are kept);
 - Python's ``random`` and NumPy's global ``RandomState`` are reached through module
   functions (``random.random``, ``np.random.seed``...): while a world with per-rank
   generators runs, those functions are replaced by ones that draw from the calling
@@ -49,36 +49,65 @@ def _cuda_generators() -> list[torch.Generator]:
 
 
 class _TorchStates:
-    """torch's process-wide generators, one saved state per rank; the current owner's are loaded."""
+    """torch's process-wide generators, one saved state per rank; the current owner's are loaded.
 
-    __slots__ = ("_cpu", "_cuda", "_fresh_cuda")
+    The CPU generator's state comes out of torch as a fresh 5 KB tensor (``get_state``),
+    and torch allocates tensors with ``posix_memalign``. glibc before 2.39 (bug 30723)
+    puts the spare bytes of each aligned allocation in the calling thread's cache of
+    small free blocks, where they keep the 5 KB, once freed, from being reused, for up
+    to about seven allocations per thread. Taken in every rank thread at every hand-over,
+    the states cost 45 KB per rank (45 MB at W=1024, peak RSS). So a rank's state is saved
+    as a copy of the generator (``clone_state``: a plain allocation, no tensor), and
+    the copies are turned into the tensors ``set_state`` loads in one thread, the
+    keeper's: the first rank to take a turn does it for every rank's copy as it takes
+    its own turn (a rank whose copy the keeper has not reached turns its own).
+    """
 
-    def __init__(self, size: int) -> None:
-        # normal tensors even if spawn is called under inference_mode: save() updates them in place
-        with torch.inference_mode(False):
-            cpu = torch.default_generator.get_state()
-            cuda = [g.get_state() for g in _cuda_generators()]
-            self._cpu = [cpu.clone() for _ in range(size)]
-            self._cuda: list[list[torch.Tensor] | None] = [[s.clone() for s in cuda] for _ in range(size)]
+    __slots__ = ("_cpu", "_cuda", "_ended", "_fresh_cuda", "_keeper", "_pending")
+
+    def __init__(self, size: int, cpu: torch.Tensor, cuda: list[torch.Tensor]) -> None:
+        # every rank starts from the states of the thread that called spawn: one tensor
+        # for all, as set_state only reads it (and nothing here updates a state in place)
+        self._cpu = [cpu] * size
+        self._cuda: list[list[torch.Tensor] | None] = [list(cuda) for _ in range(size)]
         self._fresh_cuda: list[torch.Tensor] | None = None
+        self._pending: dict[int, torch.Generator] = {}  # saved states not yet turned into tensors
+        self._keeper: int | None = None  # the rank whose thread turns them into tensors
+        self._ended = [False] * size  # ranks whose threads have ended: their states are not kept
 
     def switch(self, old: int | None, new: int) -> None:
         """Save rank ``old``'s states (None: nobody's are loaded), then load rank ``new``'s."""
         gens = _cuda_generators()
-        if old is not None:
-            self._save(old, gens)
+        if old is not None and not self._ended[old]:
+            self._pending[old] = torch.default_generator.clone_state()  # no tensor: see the class
+            if gens:
+                self._cuda[old] = [g.get_state() for g in gens]  # (16 bytes each)
+        if self._keeper is None:
+            self._keeper = new
+        if new == self._keeper:
+            pending, ended = self._pending, self._ended
+            for rank, gen in pending.items():
+                if not ended[rank]:
+                    self._to_tensor(rank, gen)
+            pending.clear()
+        else:
+            own = self._pending.pop(new, None)
+            if own is not None:  # the keeper did not run since this rank's last turn
+                self._to_tensor(new, own)
         self._load(new, gens)
 
-    def _save(self, rank: int, gens: list[torch.Generator]) -> None:
-        # into the rank's buffer, made once on the spawning thread: a state kept from each
-        # rank thread would pin memory in that thread's malloc arena (+50 MB at W=1024)
-        if torch.is_inference_mode_enabled():  # (a rank may hand over inside inference_mode)
-            with torch.inference_mode(False):
-                self._cpu[rank].copy_(torch.default_generator.get_state())
-        else:  # (the common case, without the context manager's few microseconds)
-            self._cpu[rank].copy_(torch.default_generator.get_state())
-        if gens:
-            self._cuda[rank] = [g.get_state() for g in gens]
+    def _to_tensor(self, rank: int, gen: torch.Generator) -> None:
+        self._cpu[rank] = gen.get_state()
+
+    def ended(self, rank: int) -> None:
+        """Rank ``rank``'s thread ends: its states are dropped; if it was the keeper, the next to take a turn is.
+
+        Only marks: a rank that ends while others run at once (after an abort, or
+        detached) must not change ``_pending`` under a switch going through it.
+        """
+        self._ended[rank] = True
+        if rank == self._keeper:
+            self._keeper = None
 
     def _load(self, rank: int, gens: list[torch.Generator]) -> None:
         torch.default_generator.set_state(self._cpu[rank])
@@ -196,7 +225,7 @@ class RankLocals:
         self.size = size
         self._caller = torch.default_generator.get_state()
         self._caller_cuda = [g.get_state() for g in _cuda_generators()]
-        self._torch = _TorchStates(size)
+        self._torch = _TorchStates(size, self._caller, self._caller_cuda)
         self._loaded: int | None = None  # whose torch states the generators hold now
         # each rank's instances start from these states, made on its first draw
         self._initial: dict[str, Any] = {"python": random.getstate()}
@@ -242,10 +271,10 @@ class RankLocals:
         """In rank ``rank``'s thread, before its code runs: module functions draw from its instances."""
         _bound.rank = (self, rank)
 
-    @staticmethod
-    def unbind() -> None:
-        """In a rank thread, as it ends."""
+    def unbind(self, rank: int) -> None:
+        """In rank ``rank``'s thread, as it ends (holding its turn, unless the world was aborted)."""
         _bound.rank = None
+        self._torch.ended(rank)
 
     def switch(self, rank: int) -> None:
         """Rank ``rank`` takes its turn: load its generator states (after saving the last owner's)."""

@@ -92,6 +92,95 @@ def test_ranks_start_from_the_callers_states_and_leave_them_alone() -> None:
     assert random.random() == random.Random(5).random()
 
 
+def _tensors_made_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that turn saved torch generator states into tensors, one per state."""
+    from aiocoll._locals import _TorchStates
+
+    real = _TorchStates._to_tensor
+    threads: list[str] = []
+
+    def to_tensor(self: _TorchStates, rank: int, gen: torch.Generator) -> None:
+        threads.append(threading.current_thread().name)
+        real(self, rank, gen)
+
+    monkeypatch.setattr(_TorchStates, "_to_tensor", to_tensor)
+    return threads
+
+
+def _own_stream(comm: Comm, group: Any = None, rounds: int = 4) -> list[float]:
+    """Draws from the rank's own seeded stream, with collectives (other ranks drawing) in between."""
+    torch.manual_seed(10 + comm.rank)
+    out = torch.randn(1).tolist()
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        out += torch.randn(1).tolist()
+    return out
+
+
+def _expected_stream(rank: int, rounds: int = 4) -> list[float]:
+    torch.manual_seed(10 + rank)
+    return [torch.randn(1).item() for _ in range(rounds + 1)]
+
+
+def test_generator_states_become_tensors_in_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every rank thread making tensors of the states pins memory in each (see _TorchStates)
+    made_in = _tensors_made_in(monkeypatch)
+    out = aiocoll.spawn(_own_stream, world=6)
+    assert out == [_expected_stream(r) for r in range(6)]
+    assert len(made_in) >= 6 * 3  # (a rank that completes a barrier goes on: no hand-over)
+    assert set(made_in) == {"aiocoll rank 0"}  # the first rank to take a turn
+
+
+def test_ranks_keep_their_generators_while_the_keeper_is_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    made_in = _tensors_made_in(monkeypatch)
+
+    def fn(comm: Comm) -> list[float]:
+        others = dist.new_group([1, 2, 3])
+        t = torch.zeros(1)
+        if comm.rank == 0:  # the keeper waits while the others hand over among themselves
+            torch.manual_seed(10)
+            first = torch.randn(1).tolist()
+            dist.recv(t, src=3)
+            return first + torch.randn(4).tolist()
+        out = _own_stream(comm, others)
+        if comm.rank == 3:
+            dist.send(t, dst=0)
+        return out
+
+    out = aiocoll.spawn(fn, world=4)
+    assert out == [_expected_stream(r) for r in range(4)]
+    assert len(set(made_in)) > 1  # the others made their own meanwhile
+
+
+def test_the_next_rank_keeps_the_states_once_the_keeper_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    made_in = _tensors_made_in(monkeypatch)
+
+    def fn(comm: Comm) -> list[float]:
+        others = dist.new_group([1, 2, 3])
+        if comm.rank == 0:
+            return _expected_stream(0)
+        return _own_stream(comm, others, rounds=8)
+
+    out = aiocoll.spawn(fn, world=4)
+    assert out[1:] == [_expected_stream(r, rounds=8) for r in range(1, 4)]
+    assert len(set(made_in) - {"aiocoll rank 0"}) == 1
+
+
+def test_generators_are_swapped_under_inference_mode() -> None:
+    def fn(comm: Comm) -> list[float]:
+        torch.manual_seed(10 + comm.rank)
+        with torch.inference_mode():  # hands over inside it, and out of it below
+            out = torch.randn(1).tolist()
+            dist.barrier()
+            out += torch.randn(1).tolist()
+        dist.barrier()
+        return out + torch.randn(3).tolist()
+
+    for mode in (False, True):
+        with torch.inference_mode(mode):
+            assert aiocoll.spawn(fn, world=3) == [_expected_stream(r) for r in range(3)]
+
+
 def test_parallel_ranks_share_the_generators() -> None:
     seen: list[bool] = []
 
@@ -209,6 +298,28 @@ def test_get_future_waits_for_the_work_giving_the_turn_away() -> None:
     assert aiocoll.spawn(fn, world=3) == [6.0, 6.0, 6.0]
 
 
+def test_rank_threads_wake_the_loop_once_as_they_end() -> None:
+    import asyncio
+
+    wakes: list[object] = []
+
+    class Loop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+            wakes.append(callback)
+            return super().call_soon_threadsafe(callback, *args, **kwargs)
+
+    def fn(comm: Comm) -> int:
+        dist.barrier()
+        return comm.rank
+
+    counts = []
+    for world in (2, 16):
+        wakes.clear()
+        assert aiocoll.spawn(fn, world=world, loop=Loop) == list(range(world))
+        counts.append(len(wakes))
+    assert counts[0] == counts[1]  # not one per rank
+
+
 def test_sync_ranks_is_checked() -> None:
     with pytest.raises(aiocoll.InvalidArgumentError, match="'sync_ranks' must be 'turns' or 'parallel'"):
         aiocoll.spawn(lambda comm: None, world=2, sync_ranks="threads")  # type: ignore[call-overload]
@@ -303,6 +414,64 @@ def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None
 
 
 @_affinity
+def test_a_woken_rank_waits_for_the_waking_thread_to_sleep_then_gets_its_policy_back() -> None:
+    import os
+
+    cpu = min(os.sched_getaffinity(0))
+    cpus = SameCpu(1, lambda: cpu, batch=True)
+    seen: dict[str, int] = {}
+    registered, pinned = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        cpus.register(0)
+        registered.set()
+        pinned.wait(10)
+        seen["woken"] = os.sched_getscheduler(0)  # SCHED_BATCH: it does not preempt the waking thread
+        cpus.unpin(0)
+        seen["running"] = os.sched_getscheduler(0)
+
+    th = threading.Thread(target=rank)
+    th.start()
+    assert registered.wait(10)
+    cpus.pin(0)
+    pinned.set()
+    th.join(10)
+    assert seen == {"woken": os.SCHED_BATCH, "running": os.SCHED_OTHER}
+
+
+@_affinity
+def test_a_rank_still_pinned_from_its_start_is_not_pinned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    cpus = SameCpu.detect(1)
+    assert cpus is not None
+    registered, go = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        cpus.register(0)
+        registered.set()
+        go.wait(10)
+        cpus.unpin(0)
+
+    th = threading.Thread(target=rank)
+    with cpus.starting():
+        th.start()
+    assert registered.wait(10)
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus._start_cpu})  # back on the CPU it started on, as a rank handing over
+    calls: list[object] = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: calls.append(a) or real(*a))
+    try:
+        cpus.pin(0)
+    finally:
+        real(0, mask)
+    assert calls == []
+    go.set()
+    th.join(10)
+
+
+@_affinity
 def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
     cpus = SameCpu(1, lambda: 1 << 20)  # a CPU that does not exist: sched_setaffinity fails
     cpus.register(0)  # (this thread stands for the rank)
@@ -313,15 +482,57 @@ def test_same_cpu_turns_itself_off_when_the_os_refuses() -> None:
 
 
 @_affinity
+def test_rank_threads_start_on_the_starting_threads_cpu_and_get_its_cpus_back() -> None:
+    import os
+
+    mask = os.sched_getaffinity(0)
+    cpus = SameCpu.detect(1)
+    assert cpus is not None
+    seen: dict[str, set[int]] = {}
+    policies: list[int] = []
+    registered, go = threading.Event(), threading.Event()
+
+    def rank() -> None:
+        seen["started"] = os.sched_getaffinity(0)
+        policies.append(os.sched_getscheduler(0))
+        cpus.register(0)
+        registered.set()
+        go.wait(10)
+        cpus.unpin(0)  # its first turn
+        seen["running"] = os.sched_getaffinity(0)
+        policies.append(os.sched_getscheduler(0))
+
+    th = threading.Thread(target=rank)
+    with cpus.starting():
+        seen["starting"] = os.sched_getaffinity(0)
+        th.start()
+    assert os.sched_getaffinity(0) == mask  # the starting thread's CPUs, back at once
+    assert registered.wait(10)  # (whether it registers before or after starting() ends)
+    go.set()
+    th.join(10)
+    assert len(seen["starting"]) == 1
+    assert seen["started"] == seen["starting"]
+    assert seen["running"] == mask
+    if cpus._batch:  # the caller runs under SCHED_OTHER: started under SCHED_BATCH, as if woken by a hand-over
+        assert policies == [os.SCHED_BATCH, os.SCHED_OTHER]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@_affinity
 def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
     import os
 
-    def fn(comm: Comm) -> tuple[set[int], set[int], float]:
+    def fn(comm: Comm) -> tuple[set[int], set[int], float, list[int]]:
         before = os.sched_getaffinity(0)
+        policies = [os.sched_getscheduler(0)]
         t = torch.ones(1)
         for _ in range(20):
             dist.all_reduce(t.fill_(1.0))
-        return before, os.sched_getaffinity(0), t.item()
+            policies.append(os.sched_getscheduler(0))
+        return before, os.sched_getaffinity(0), t.item(), sorted(set(policies))
 
     mask = os.sched_getaffinity(0)
-    assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0)] * 3
+    other = [os.SCHED_OTHER]
+    assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0, other)] * 3
+    assert os.sched_getaffinity(0) == mask  # the thread that called spawn, too
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
