@@ -463,16 +463,23 @@ def _identity_map(size: int) -> dict[int, int]:
 
 
 class RankSession:
-    """torch.distributed initialised for one rank: its own state, the default group = world."""
+    """torch.distributed for one rank: its own state and, with ``init``, the default group = world.
 
-    def __init__(self, st: RankState, store: Any) -> None:
+    Without ``init`` the rank's code initialises torch.distributed itself (torch's
+    multi-process test harness, run in-process by ``aiocoll.testing``).
+    """
+
+    def __init__(self, st: RankState, store: Any, init: bool = True) -> None:
         self.st = st
         self.state = _torch.C10dState()
         self.store = store
+        self.init = init
 
     def start(self) -> None:
         """Run in the rank's own context (its thread or task)."""
         _torch.use_state(self.state)
+        if not self.init:
+            return
         dist.init_process_group(
             BACKEND,
             rank=self.st.rank,
