@@ -590,7 +590,7 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
     if roots:
         rank, exc = roots[0]
         notes.append(f"aiocoll: raised on rank {rank} of a world of {w.size}")
-        same = [r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc)]
+        same = sorted(r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc))
         if same:
             notes.append(f"aiocoll: ranks {same} raised the same {type(exc).__name__}")
         for r, e in roots[1:]:
