@@ -286,6 +286,10 @@ class Continuous(DTensorContinuousTestBase):
     def test_skip(self) -> None:
         seen["ran on cpu"] = True
 
+    def test_os_exit(self) -> None:
+        if self.rank == 1:
+            os._exit(0)
+
     def test_zz_fails(self) -> None:  # last: a failure skips the class's later tests, as in torch
         if self.rank == 2:
             raise KeyError("rank 2 lost it")
@@ -371,9 +375,13 @@ def test_dtensor_test_base(harness: ProcessHarnessReplacement) -> None:
 
 def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
     result = _run(Continuous)
-    assert result.testsRun == 3
+    assert result.testsRun == 4
     assert seen["continuous"] == {0, 1, 2, 3}
-    assert len(result.skipped) == 1, _problems(result)
+    reasons = sorted(reason for _, reason in result.skipped)
+    assert len(reasons) == 2, _problems(result)
+    # torch keeps a class's workers alive: one that needs processes of its own is skipped, with why
+    assert "aiocoll: rank 1 called os._exit(0): the test needs processes of its own" in reasons
+    assert harness.fallbacks == [(f"{__name__}.Continuous.test_os_exit", "rank 1 called os._exit(0)")]
     assert "ran on cpu" not in seen
     failure = _failure_of(result)
     assert "RuntimeError: Exception in worker process" in failure
