@@ -516,7 +516,15 @@ class process_harness:
     def test_case() -> Any:
         """``MultiProcessTestCase``, checked for every hook ``aiocoll.testing`` relies on."""
         cls = _need(process_harness.module(), "MultiProcessTestCase", "MultiProcessTestCase")
-        for name in ("_start_processes", "_join_processes", "_check_return_codes", "_run", "run_test"):
+        for name in (
+            "_start_processes",
+            "_join_processes",
+            "_check_return_codes",
+            "_run",
+            "run_test",
+            "_current_test_name",
+            "TEST_ERROR_EXIT_CODE",
+        ):
             _need(cls, name, f"MultiProcessTestCase.{name}")
         return cls
 
