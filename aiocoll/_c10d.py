@@ -206,6 +206,22 @@ def _one(op: str, tensors: Sequence[Any]) -> Any:
     return tensors[0]
 
 
+def _u(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the engine gets it: writes to it leave ``t``'s autograd version counter alone.
+
+    gloo and NCCL write their results from C++, unseen by autograd; aiocoll's ops write
+    with torch ops, which count as in-place changes. A broadcast into a tensor that
+    views of a tensor requiring grad share (DTensor's ``distribute_tensor`` does that)
+    would then make autograd refuse those views. ``.data`` shares the storage, not the
+    version counter (0.2 us).
+    """
+    return t.data
+
+
+def _us(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.data for t in ts]
+
+
 @_torch.python_process_group
 class AiocollProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on the aiocoll engine."""
@@ -262,26 +278,26 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         self._check("all_reduce", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._work([self._comm.all_reduce(_one("all_reduce", tensors), op)], tensors)
+        return self._work([self._comm.all_reduce(_u(_one("all_reduce", tensors)), op)], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:
         self._check("all_reduce_coalesced", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._work([self._comm.all_reduce(t, op) for t in tensors], tensors)
+        return self._work([self._comm.all_reduce(t, op) for t in _us(tensors)], tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("broadcast", opts)
-        return self._work([self._comm.broadcast(_one("broadcast", tensors), opts.rootRank)], tensors)
+        return self._work([self._comm.broadcast(_u(_one("broadcast", tensors)), opts.rootRank)], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("reduce", opts)
-        t = _one("reduce", tensors)
+        t = _u(_one("reduce", tensors))
         return self._work([self._comm.reduce(t, opts.rootRank, opts.reduceOp)], tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         self._check("all_gather", opts)
         outs = _one("all_gather", outputs)
-        w = self._comm.all_gather(outs, _one("all_gather", inputs))
+        w = self._comm.all_gather(_us(outs), _u(_one("all_gather", inputs)))
         return self._work([w], outs)  # the future's value, as gloo's: the flat list
 
     def allgather_coalesced(
@@ -294,56 +310,60 @@ class AiocollProcessGroup(dist.ProcessGroup):
                 f"all_gather_coalesced on rank {self._comm.rank}: 'output_tensor_lists' must hold one list per "
                 f"rank ({self._comm.world_size}), each with one tensor per input ({len(inputs)})"
             )
-        works = [self._comm.all_gather([o[i] for o in outputs], x) for i, x in enumerate(inputs)]
+        works = [self._comm.all_gather([o[i].data for o in outputs], x.data) for i, x in enumerate(inputs)]
         return self._work(works, outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
         self._check("all_gather_into_tensor", opts)
-        w = self._comm.all_gather_into_tensor(output, input)
+        w = self._comm.all_gather_into_tensor(_u(output), _u(input))
         return self._work([w], list(output.chunk(self._comm.world_size)))  # gloo's future value
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
         self._check("all_gather_into_tensor", opts)
-        works = [self._comm.all_gather_into_tensor(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        works = [self._comm.all_gather_into_tensor(o.data, i.data) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(works, outputs)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("gather", opts)
         gather_list = outputs[0] if outputs else None
-        w = self._comm.gather(_one("gather", inputs), gather_list, opts.rootRank)
+        w = self._comm.gather(
+            _u(_one("gather", inputs)), None if gather_list is None else _us(gather_list), opts.rootRank
+        )
         return self._work([w], gather_list if gather_list is not None else [])
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("scatter", opts)
         scatter_list = inputs[0] if inputs else None
-        return self._work([self._comm.scatter(_one("scatter", outputs), scatter_list, opts.rootRank)], outputs)
+        out = _u(_one("scatter", outputs))
+        w = self._comm.scatter(out, None if scatter_list is None else _us(scatter_list), opts.rootRank)
+        return self._work([w], outputs)
 
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> AiocollWork:
         self._check("reduce_scatter", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        w = self._comm.reduce_scatter(_one("reduce_scatter", outputs), _one("reduce_scatter", inputs), op)
+        w = self._comm.reduce_scatter(_u(_one("reduce_scatter", outputs)), _us(_one("reduce_scatter", inputs)), op)
         return self._work([w], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
         self._check("reduce_scatter_tensor", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._work([self._comm.reduce_scatter_tensor(output, input, op)], [output])
+        return self._work([self._comm.reduce_scatter_tensor(_u(output), _u(input), op)], [output])
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
         self._check("reduce_scatter_tensor", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        works = [self._comm.reduce_scatter_tensor(o, i, op) for o, i in zip(outputs, inputs, strict=True)]
+        works = [self._comm.reduce_scatter_tensor(o.data, i.data, op) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(works, outputs)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:
         self._check("all_to_all", opts)
-        return self._work([self._comm.all_to_all(outputs, inputs)], outputs)
+        return self._work([self._comm.all_to_all(_us(outputs), _us(inputs))], outputs)
 
     def all_to_all_single(
         self,
@@ -354,7 +374,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> AiocollWork:
         self._check("all_to_all_single", opts)
-        w = self._comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        w = self._comm.all_to_all_single(_u(output), _u(input), output_split_sizes, input_split_sizes)
         return self._work([w], [output])
 
     def barrier(self, opts: Any = None) -> AiocollWork:
@@ -365,15 +385,15 @@ class AiocollProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiocollWork:
         self._check("send", None)
-        return self._work([self._comm.send(_one("send", tensors), dst, tag)], tensors)
+        return self._work([self._comm.send(_u(_one("send", tensors)), dst, tag)], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiocollWork:
         self._check("recv", None)
-        return self._work([self._comm.recv(_one("recv", tensors), src, tag)], tensors)
+        return self._work([self._comm.recv(_u(_one("recv", tensors)), src, tag)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiocollWork:
         self._check("recv", None)
-        return self._work([self._comm.recv(_one("recv", tensors), None, tag)], tensors)
+        return self._work([self._comm.recv(_u(_one("recv", tensors)), None, tag)], tensors)
 
 
 def _create_process_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup:
@@ -443,16 +463,23 @@ def _identity_map(size: int) -> dict[int, int]:
 
 
 class RankSession:
-    """torch.distributed initialised for one rank: its own state, the default group = world."""
+    """torch.distributed for one rank: its own state and, with ``init``, the default group = world.
 
-    def __init__(self, st: RankState, store: Any) -> None:
+    Without ``init`` the rank's code initialises torch.distributed itself (torch's
+    multi-process test harness, run in-process by ``aiocoll.testing``).
+    """
+
+    def __init__(self, st: RankState, store: Any, init: bool = True) -> None:
         self.st = st
         self.state = _torch.C10dState()
         self.store = store
+        self.init = init
 
     def start(self) -> None:
         """Run in the rank's own context (its thread or task)."""
         _torch.use_state(self.state)
+        if not self.init:
+            return
         dist.init_process_group(
             BACKEND,
             rank=self.st.rank,

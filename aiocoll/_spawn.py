@@ -28,7 +28,7 @@ from ._output import prefixed_output
 from ._record import Recorder
 from ._turns import SameCpu, StallWatch, Turns
 
-__all__ = ["DEFAULT_TIMEOUT", "spawn", "spawn_async"]
+__all__ = ["DEFAULT_TIMEOUT", "run_world", "spawn", "spawn_async"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT = 300.0
 
 LoopChoice = Literal["auto", "asyncio", "uvloop"] | Callable[[], asyncio.AbstractEventLoop]
 SyncRanks = Literal["turns", "parallel"]
+C10dSetup = Literal["init", "state", "off"]
 
 
 @overload
@@ -239,13 +240,50 @@ async def spawn_async(
     """
     _check(fn, world, timeout, record, schedule_seed, sync_ranks)
     try:
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
     except RuntimeError:
         raise RuntimeError(
             "aiocoll.spawn_async() needs a running asyncio event loop (aiocoll runs on asyncio or "
             "uvloop, including anyio's asyncio backend). From trio, run a world in a worker thread: "
             "await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
         ) from None
+    return await run_world(
+        fn,
+        world,
+        timeout=timeout,
+        c10d="init" if torch_distributed else "off",
+        record=record,
+        trace=trace,
+        faults=faults,
+        schedule_seed=schedule_seed,
+        prefix_output=prefix_output,
+        process_group=process_group,
+        sync_ranks=sync_ranks,
+    )
+
+
+async def run_world(
+    fn: Callable[[Comm], Any],
+    world: int,
+    *,
+    timeout: float | None,
+    c10d: C10dSetup,
+    record: int = DEFAULT_RECORD,
+    trace: str | os.PathLike[str] | None = None,
+    faults: Iterable[Fault] = (),
+    schedule_seed: int | None = None,
+    prefix_output: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    sync_ranks: SyncRanks = "turns",
+) -> list[Any]:
+    """``spawn_async`` with checked arguments, on the running loop.
+
+    ``c10d``: "init" initialises torch.distributed in each rank (backend "aiocoll");
+    "state" only gives each rank its own c10d state, for code that initialises
+    torch.distributed itself (``aiocoll.testing``'s process harness); "off" leaves
+    torch.distributed alone.
+    """
+    loop = asyncio.get_running_loop()
     hybrid = None
     if process_group is not None:
         if not isinstance(process_group, dist.ProcessGroup):
@@ -258,7 +296,7 @@ async def spawn_async(
         hybrid = HybridWorld(process_group, world, timeout)
         # torch.distributed inside the ranks would shadow the process's real groups,
         # which the hybrid world itself talks through
-        torch_distributed = False
+        c10d = "off"
     w = World(world, loop, timeout, hybrid)
     local = [st for st in w.ranks if hybrid is None or st.rank in hybrid.local]
     if hybrid is not None:
@@ -284,9 +322,9 @@ async def spawn_async(
         cpus = SameCpu.detect(world)
         w.take_turns(Turns(world, w.rng, rank_locals.switch, cpus))
     sessions: list[_c10d.RankSession | None] = [None] * world
-    if torch_distributed:
+    if c10d != "off":
         store = dist.HashStore()  # type: ignore[attr-defined]
-        sessions = [_c10d.RankSession(st, store) for st in w.ranks]
+        sessions = [_c10d.RankSession(st, store, init=c10d == "init") for st in w.ranks]
         _torch.prepare_for_rank_threads()  # before install(): a failure here leaves nothing to undo
         _c10d.install()
     undo = install_task_tracking(loop)
@@ -364,7 +402,7 @@ async def spawn_async(
             watch.stop()
         undo()
         output.__exit__(None, None, None)
-        if torch_distributed:
+        if c10d != "off":
             for session in sessions:
                 assert session is not None
                 session.finish()
@@ -600,7 +638,7 @@ def _report(w: World, failures: list[tuple[int, BaseException]]) -> BaseExceptio
     if roots:
         rank, exc = roots[0]
         notes.append(f"aiocoll: raised on rank {rank} of a world of {w.size}")
-        same = [r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc)]
+        same = sorted(r for r, e in roots[1:] if type(e) is type(exc) and str(e) == str(exc))
         if same:
             notes.append(f"aiocoll: ranks {same} raised the same {type(exc).__name__}")
         for r, e in roots[1:]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ __all__ = [
     "patched_c10d",
     "premul_factor",
     "prepare_for_rank_threads",
+    "process_harness",
     "python_process_group",
     "reduce_scatter_into",
     "set_grad_enabled",
@@ -483,3 +485,123 @@ class threaded_harness:
     def plugin(creator: Callable[..., Any]) -> Any:
         """A plugin entry for ``creator`` taking the extended API."""
         return _need(dist.Backend, "_BackendPlugin", "torch.distributed.Backend._BackendPlugin")(creator, True)
+
+
+class process_harness:
+    """What ``aiocoll.testing`` hooks in torch's multi-process test harness (2.10-2.15).
+
+    ``MultiProcessTestCase`` starts one process per rank in ``_start_processes(proc)``
+    and waits for them in ``_join_processes(fn)``, which ends with
+    ``_check_return_codes(fn, elapsed)``; each process runs ``cls._run(rank, test_name,
+    file_name, pipe, **kwargs)``, which makes a new test object and calls ``run_test``:
+    a ``unittest.SkipTest`` becomes ``sys.exit(TEST_SKIPS["generic"].exit_code)``, an
+    exception is sent down the pipe and becomes ``sys.exit(TEST_ERROR_EXIT_CODE)``.
+    ``MultiProcContinuousTest`` keeps its processes across a class's tests: its
+    classmethod ``_spawn_processes(world_size)`` makes ``processes``, ``task_queues``
+    and ``completion_queues``; each worker runs ``cls._worker_loop(rank, world_size,
+    rdvz_file, task_queue, completion_queue)``, which takes test ids from its task
+    queue until ``None`` and puts a result per test (the id, a ``SkipTest`` or an
+    exception). These names are the same in every release tested.
+    """
+
+    MODULE = "torch.testing._internal.common_distributed"
+
+    @staticmethod
+    def module() -> Any:
+        import torch.testing._internal.common_distributed as common_distributed
+
+        return common_distributed
+
+    @staticmethod
+    def test_case() -> Any:
+        """``MultiProcessTestCase``, checked for every hook ``aiocoll.testing`` relies on."""
+        cls = _need(process_harness.module(), "MultiProcessTestCase", "MultiProcessTestCase")
+        for name in (
+            "_start_processes",
+            "_join_processes",
+            "_check_return_codes",
+            "_run",
+            "run_test",
+            "_current_test_name",
+            "TEST_ERROR_EXIT_CODE",
+        ):
+            _need(cls, name, f"MultiProcessTestCase.{name}")
+        return cls
+
+    @staticmethod
+    def continuous_test_case() -> Any:
+        """``MultiProcContinuousTest``, if this torch has it (checked like ``test_case``), else None."""
+        cls = getattr(process_harness.module(), "MultiProcContinuousTest", None)
+        if cls is not None:
+            for name in ("_spawn_processes", "_worker_loop"):
+                _need(cls, name, f"MultiProcContinuousTest.{name}")
+        return cls
+
+    @staticmethod
+    def skips() -> dict[int, str]:
+        """The exit codes torch's harness turns into skips, with their messages."""
+        table = _need(process_harness.module(), "TEST_SKIPS", "common_distributed.TEST_SKIPS")
+        return {int(s.exit_code): str(s.message) for s in table.values()}
+
+    @staticmethod
+    def generic_skip_code() -> int:
+        """The exit code of a rank whose test raised ``unittest.SkipTest``."""
+        return int(_need(process_harness.module(), "TEST_SKIPS", "common_distributed.TEST_SKIPS")["generic"].exit_code)
+
+    @staticmethod
+    def test_timeout(test_id: str) -> float:
+        """Seconds torch's harness gives the test before it stops its processes."""
+        return float(_need(process_harness.module(), "get_timeout", "common_distributed.get_timeout")(test_id))
+
+    @staticmethod
+    @contextmanager
+    def patched_init(
+        group_backend: Callable[[Any, int, list[int]], str | None],
+        rendezvous: Callable[[str, int, int], tuple[Any, int, int] | None],
+    ) -> Iterator[None]:
+        """torch.distributed's group creation and rendezvous, steered while the block runs.
+
+        ``group_backend(backend, group_rank, global_ranks_in_group)``, for every group
+        c10d makes (the default group, ``new_group``, DeviceMesh's): the backend to make
+        it with instead, or None to leave it. The group still reports the backend it was
+        asked for (``dist.get_backend``), as torch's code branches on it.
+        ``rendezvous(init_method, rank, world_size)``: ``(store, rank, world_size)`` in
+        place of torch's rendezvous for ``init_process_group(init_method=...)``, or None.
+        Both are module globals of ``distributed_c10d`` looked up at each call (2.10-2.15).
+        """
+        saved_helper = _need(_c10d, "_new_process_group_helper", "distributed_c10d._new_process_group_helper")
+        saved_rendezvous = _need(_c10d, "rendezvous", "distributed_c10d.rendezvous")
+        backend_at = list(inspect.signature(saved_helper).parameters).index("backend")
+
+        @functools.wraps(saved_helper)
+        def helper(*args: Any, **kwargs: Any) -> Any:
+            asked = kwargs["backend"] if "backend" in kwargs else args[backend_at]
+            group_rank = kwargs.get("group_rank", args[1] if len(args) > 1 else -1)
+            ranks = kwargs.get("global_ranks_in_group", args[2] if len(args) > 2 else [])
+            use = group_backend(asked, group_rank, list(ranks))
+            if use is None:
+                return saved_helper(*args, **kwargs)
+            if "backend" in kwargs:
+                kwargs["backend"] = use
+            else:
+                args = (*args[:backend_at], use, *args[backend_at + 1 :])
+            kwargs["backend_options"] = None  # gloo's or NCCL's options mean nothing to it
+            pg, store = saved_helper(*args, **kwargs)
+            world = _c10d._world
+            if pg in world.pg_map:
+                world.pg_map[pg] = (asked, world.pg_map[pg][1])
+            return pg, store
+
+        @functools.wraps(saved_rendezvous)
+        def steered_rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Any:
+            found = rendezvous(url, rank, world_size)
+            if found is None:
+                return saved_rendezvous(url, rank, world_size, **kwargs)
+            return iter([found])
+
+        with contextlib.ExitStack() as undo:
+            _c10d._new_process_group_helper = helper
+            undo.callback(setattr, _c10d, "_new_process_group_helper", saved_helper)
+            _c10d.rendezvous = steered_rendezvous
+            undo.callback(setattr, _c10d, "rendezvous", saved_rendezvous)
+            yield

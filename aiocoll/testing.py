@@ -1,10 +1,29 @@
-"""Run torch's own threaded test harness on aiocoll.
+"""Run torch's own distributed test harnesses on aiocoll.
 
-torch tests distributed code in one process with ``MultiThreadedTestCase`` and
-``@spawn_threads_and_init_comms`` (``torch.testing._internal.common_distributed``):
-each rank is a thread, with torch.distributed initialised with backend ``"threaded"``.
-``replace_threaded_pg()`` makes that backend create aiocoll process groups, so the
-same tests run their collectives on the aiocoll engine and gain its reports:
+torch tests distributed code with two harnesses (``torch.testing._internal.common_distributed``):
+
+- ``MultiProcessTestCase`` (and what derives from it: ``DTensorTestBase``, ``FSDPTest``,
+  ``MultiProcContinuousTest`` and its ``DTensorContinuousTestBase``) starts a process
+  per rank, talking gloo over loopback. ``replace_process_harness()`` runs each test's
+  ranks in the test's own process instead, as aiocoll sync ranks: far faster, and
+  with aiocoll's reports when something goes wrong.
+- ``MultiThreadedTestCase`` and ``@spawn_threads_and_init_comms`` run each rank in a
+  thread, with backend ``"threaded"``. ``replace_threaded_pg()`` makes that backend's
+  groups aiocoll's.
+
+Switch a whole test suite with one line in ``conftest.py``::
+
+    import aiocoll.testing
+
+    aiocoll.testing.replace_process_harness()
+    aiocoll.testing.replace_threaded_pg()
+
+or for a block only, restoring torch's own harness afterwards::
+
+    with aiocoll.testing.replace_process_harness():
+        unittest.main(module="test_my_dtensor", exit=False)
+
+**The threaded harness.** With ``replace_threaded_pg()`` in force:
 
 - a rank that raises releases every rank waiting in a collective at once, with a
   ``WorldAbortedError`` naming it, and the test fails with that rank's error (torch's
@@ -20,17 +39,6 @@ queue and report), so ``setUp``/``perThreadSetUp`` and subclasses such as
 ``dist.get_backend()`` still says ``"threaded"`` (DeviceMesh relies on it), while each
 group is an ``AiocollProcessGroup``. The report keeps the root cause, annotated as
 ``aiocoll.spawn`` annotates it, and leaves out the ranks that only echo it.
-
-Switch a whole test suite with one line in ``conftest.py``::
-
-    import aiocoll.testing
-
-    aiocoll.testing.replace_threaded_pg()
-
-or for a block only, restoring torch's own process group afterwards::
-
-    with aiocoll.testing.replace_threaded_pg():
-        unittest.main(module="test_my_dtensor", exit=False)
 
 A test case, as usual::
 
@@ -57,25 +65,30 @@ cannot be interrupted; it gets the error at its next collective. A rank thread t
 dies without the harness seeing it (an exception in ``perThreadSetUp``, which torch
 does not catch) is not noticed: the others wait until ``timeout``. One harness run
 at a time per process, as with torch's own process group.
+
+**The multi-process harness**: see ``replace_process_harness``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import sys
 import threading
+import unittest
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from . import _torch
+from . import _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._engine import EngineWork, Phase, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort, warn_unmatched
 
-__all__ = ["ThreadedPGReplacement", "replace_threaded_pg"]
+__all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
 _THREADED = _torch.threaded_harness.PLUGIN_KEY
 _HARNESS_MODULE = _torch.threaded_harness.MODULE
@@ -334,3 +347,198 @@ def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
         if key not in seen:
             seen.add(key)
             q.put((rank, info))
+
+
+# -- torch's multi-process harness, in-process ----------------------------------------
+
+_log = logging.getLogger("aiocoll.testing")
+_FALLBACKS = ("processes", "skip")
+
+
+class ProcessHarnessReplacement:
+    """What ``replace_process_harness()`` returns: in force until ``restore()`` or the end of a ``with``."""
+
+    def __init__(self, timeout: float | None, fallback: _harness.Fallback) -> None:
+        self.settings = _harness.Settings(timeout, fallback)
+        self.fallbacks: list[tuple[str, str]] = []
+        """``(test id, reason)`` of each test that ran in processes (or was skipped) because it needs them."""
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a rank may wait in one collective (None: half the test's own timeout)."""
+        return self.settings.timeout
+
+    @property
+    def fallback(self) -> _harness.Fallback:
+        """What becomes of a test that needs processes of its own: ``"processes"`` or ``"skip"``."""
+        return self.settings.fallback
+
+    def restore(self) -> None:
+        """Undo this replacement; torch's own harness is back once none is in force."""
+        with _process_lock:
+            if self in _process_active:
+                _process_active.remove(self)
+                if not _process_active:
+                    _unpatch_process()
+
+    def __enter__(self) -> ProcessHarnessReplacement:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        state = "in force" if self in _process_active else "restored"
+        return (
+            f"<ProcessHarnessReplacement {state} timeout={self.timeout} fallback={self.fallback!r} "
+            f"fell back={len(self.fallbacks)}>"
+        )
+
+
+def replace_process_harness(
+    *, timeout: float | None = None, fallback: _harness.Fallback = "processes"
+) -> ProcessHarnessReplacement:
+    """Run the ranks of torch's multi-process tests in the test's process from now on; also a context manager.
+
+    Tests derived from ``MultiProcessTestCase`` (``DTensorTestBase``, ``FSDPTest``...)
+    and from ``MultiProcContinuousTest`` (``DTensorContinuousTestBase``) run unchanged:
+    each rank is an aiocoll sync rank (a thread; ranks take turns), and the groups they
+    make with ``init_process_group`` (``file://``, ``env://``, ``tcp://`` or a store;
+    backend ``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``...) run on aiocoll, while
+    ``dist.get_backend()`` still names the backend asked for. Each rank has what it had
+    as a process: its own test object and class attributes, random generators (torch's,
+    ``random``'s, NumPy's) and ``os.environ``. torch's own code then judges the outcome,
+    from each rank's exit code and what it reported, so skips (``skip_if_lt_x_gpu``,
+    ``sys.exit(TEST_SKIPS[...].exit_code)``, ``self.skipTest``) and failures read as
+    under torch's harness: which process failed, its traceback, then aiocoll's report
+    (the rank that raised first, the ranks aborted because of it, each rank's last
+    operations). A mismatch or a deadlock is reported at once; a test that runs past
+    torch's timeout for it is reported with where each rank was, never left hanging.
+
+    A test that does what only a process of its own can do (``os._exit``, a signal to
+    itself, ``signal.signal``, checking its processes' exit codes, forming worlds that
+    are not the test's ranks) is run in processes by torch's own harness after all
+    (``fallback="processes"``), or skipped with the reason (``fallback="skip"``);
+    ``fallbacks`` lists them. ``timeout`` bounds one wait in one collective (None: half
+    of torch's timeout for the test). Replacements nest; torch's harness is restored
+    exactly when the last one in force is restored.
+
+    For a whole test suite, in ``conftest.py``::
+
+        import aiocoll.testing
+
+        aiocoll.testing.replace_process_harness()
+
+    For a block only::
+
+        with aiocoll.testing.replace_process_harness() as harness:
+            unittest.main(module="test_my_dtensor", exit=False)
+        print(harness.fallbacks)
+    """
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+        raise InvalidArgumentError(
+            f"replace_process_harness: argument 'timeout' must be a positive number of seconds or None, got {timeout!r}"
+        )
+    if fallback not in _FALLBACKS:
+        raise InvalidArgumentError(
+            f"replace_process_harness: argument 'fallback' must be 'processes' or 'skip', got {fallback!r}"
+        )
+    r = ProcessHarnessReplacement(timeout, fallback)
+    with _process_lock:
+        if not _process_active:
+            _patch_process()
+        _process_active.append(r)
+    return r
+
+
+_process_lock = threading.Lock()
+_process_active: list[ProcessHarnessReplacement] = []
+_process_saved: dict[str, Any] = {}
+_DEFERRED = "_aiocoll_deferred_start"  # on a test object: the Process factory its start was deferred with
+
+
+def _patch_process() -> None:
+    case = _torch.process_harness.test_case()
+    continuous = _torch.process_harness.continuous_test_case()
+    _torch.prepare_for_rank_threads()
+    steering = contextlib.ExitStack()
+    steering.enter_context(_torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous))
+    _process_saved["steering"] = steering
+    _process_saved["case"] = {name: case.__dict__[name] for name in ("_start_processes", "_join_processes")}
+    case._start_processes = _start_processes
+    case._join_processes = _join_processes
+    if continuous is not None:
+        _process_saved["continuous"] = continuous.__dict__["_spawn_processes"]
+        continuous._spawn_processes = classmethod(_spawn_continuous)
+
+
+def _unpatch_process() -> None:
+    case = _torch.process_harness.test_case()
+    continuous = _torch.process_harness.continuous_test_case()
+    for name, fn in _process_saved.pop("case").items():
+        setattr(case, name, fn)
+    if continuous is not None:
+        continuous._spawn_processes = _process_saved.pop("continuous")
+    _process_saved.pop("steering").close()
+
+
+def _settings() -> ProcessHarnessReplacement | None:
+    with _process_lock:
+        return _process_active[-1] if _process_active else None
+
+
+def _start_processes(self: Any, proc: Any) -> None:
+    """MultiProcessTestCase._start_processes while replaced: nothing starts yet (see _join_processes)."""
+    if _settings() is None or getattr(self, _DEFERRED, None) is False:
+        _process_saved["case"]["_start_processes"](self, proc)
+        return
+    self.processes = []
+    setattr(self, _DEFERRED, proc)
+
+
+def _join_processes(self: Any, fn: Any) -> None:
+    """MultiProcessTestCase._join_processes while replaced: the ranks run here, or in processes if they must."""
+    proc = getattr(self, _DEFERRED, None)
+    replacement = _settings()
+    if not proc or replacement is None:
+        _process_saved["case"]["_join_processes"](self, fn)
+        return
+    reason = _needs_processes(self, fn)
+    if reason is None:
+        end, ends = _harness.run_process_ranks(self, replacement.settings)
+        if end.needs_process is None:
+            _harness.report_process_ranks(self, fn, end, ends)
+            return
+        reason = str(end.needs_process)
+    replacement.fallbacks.append((self.id(), reason))
+    if replacement.fallback == "skip":
+        raise unittest.SkipTest(f"aiocoll: {reason}: the test needs processes of its own")
+    _log.warning("aiocoll: %s: %s; running it in processes", self.id(), reason)
+    with contextlib.suppress(OSError):  # a rendezvous file the in-process ranks may have written to
+        open(self.file_name, "wb").close()
+    setattr(self, _DEFERRED, False)
+    self._start_processes(proc)  # through any override, now for real
+    _process_saved["case"]["_join_processes"](self, fn)
+
+
+def _needs_processes(case: Any, fn: Any) -> str | None:
+    """Why a test cannot run in-process, seen before it runs, or None."""
+    if fn in getattr(case, "skip_return_code_checks", ()):
+        return "takes any exit code of its processes (skip_return_code_checks)"
+    code = getattr(case, "special_return_code_checks", {}).get(fn)
+    if isinstance(code, int) and code < 0:
+        return f"expects its processes to be killed by signal {-code} (special_return_code_checks)"
+    return None
+
+
+def _spawn_continuous(cls: Any, world_size: int) -> None:
+    """MultiProcContinuousTest._spawn_processes while replaced: workers of this process."""
+    replacement = _settings()
+    if replacement is None:
+        _process_saved["continuous"].__func__(cls, world_size)
+        return
+    ranks = _harness.ContinuousRanks(cls, int(world_size), replacement.settings, replacement.fallbacks)
+    cls.rdvz_file = ranks.rdvz_file
+    cls.processes, cls.task_queues, cls.completion_queues = ranks.processes, ranks.task_queues, ranks.completion_queues

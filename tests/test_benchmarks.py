@@ -224,3 +224,18 @@ def test_bench_ceilings_quick(tmp_path: Path) -> None:
         assert len(system["samples"]) == 2, name
         assert system["median"] > 0, name
     assert set(cell["systems"]["floor"]["variants"]) == {"stack_sum", "chained_add", "stack_sum_foreach"}
+
+
+def test_bench_process_harness_in_process(tmp_path: Path) -> None:
+    """The harness comparison runs a test file's process-starting tests and tabulates them (aiocoll's side only)."""
+    script = BENCH_ALLREDUCE.parent / "bench_process_harness.py"
+    tests = Path(__file__).resolve().parent / "test_process_harness.py"
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(script), str(tests), "-k", r"Basics\.test_(leaves|init)", "--mode", "aiocoll"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("test_process_harness.py"))
+    assert row.split()[:5] == ["test_process_harness.py", "2", "-", "-", "2/0/0"], proc.stdout
+    data = json.loads(out.read_text())["test_process_harness.py"]["aiocoll"]
+    assert sorted(data["outcomes"].values()) == ["pass", "pass"]
+    assert data["exit"] == 0

@@ -393,6 +393,20 @@ def test_device_mesh_and_dtensor() -> None:
     assert len({out["mesh_id"] for out in res}) == 4  # each rank's meshes are its own
 
 
+def test_results_are_written_unseen_by_autograd() -> None:
+    # gloo and NCCL write from C++, leaving autograd's version counters alone; DTensor's
+    # distribute_tensor broadcasts into a tensor that views of a grad-requiring tensor share
+    def fn(comm: Comm) -> tuple[int, float]:
+        x = torch.full((4,), float(comm.rank), requires_grad=True)
+        views = x.chunk(2)
+        dist.broadcast(x.detach(), src=0)
+        out = [torch.zeros(2) for _ in range(4)]
+        dist.all_gather(out, views[0])  # autograd would refuse the views had the broadcast counted
+        return x._version, out[3].sum().item()
+
+    assert aiocoll.spawn(fn, world=4) == [(0, 0.0)] * 4
+
+
 # torch 2.10 warns when autograd passes through wait_tensor (it had no autograd kernel
 # yet); the gradients are still right, which the test checks
 @pytest.mark.filterwarnings("ignore:_c10d_functional..wait_tensor. an autograd kernel was not registered:UserWarning")

@@ -81,11 +81,16 @@ def test_testing_name_is_documented(name: str) -> None:
 def test_replace_threaded_pg_has_an_example() -> None:
     # a code block, not a doctest: running torch's harness takes its test case classes
     assert "::" in _doc(aiocoll.testing.replace_threaded_pg)
+    assert "::" in _doc(aiocoll.testing.replace_process_harness)
 
 
 @pytest.mark.parametrize(
     ("cls", "name"),
-    [(cls, name) for cls in (Comm, Work, aiocoll.testing.ThreadedPGReplacement) for name in _public_methods(cls)],
+    [
+        (cls, name)
+        for cls in (Comm, Work, aiocoll.testing.ThreadedPGReplacement, aiocoll.testing.ProcessHarnessReplacement)
+        for name in _public_methods(cls)
+    ],
     ids=lambda x: x.__name__ if isinstance(x, type) else str(x),
 )
 def test_public_method_is_documented(cls: type, name: str) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+import aiocoll.testing
 from aiocoll import _torch
 
 PACKAGE = Path(aiocoll.__file__).parent
@@ -208,3 +209,21 @@ def test_the_process_group_answers_what_c10d_asks_a_backend() -> None:
         assert out[:4] == [True, False, False, False]
         if hasattr(dist, "split_group"):  # torch's own refusal (2.15: "does not support splitting")
             assert "split" in out[4], out[4]
+
+
+def test_a_process_harness_without_its_hooks_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+    assert _torch.process_harness.test_case() is MultiProcessTestCase
+    monkeypatch.delattr(MultiProcessTestCase, "_check_return_codes")
+    with pytest.raises(aiocoll.TorchCompatError, match=r"MultiProcessTestCase\._check_return_codes"):
+        aiocoll.testing.replace_process_harness()
+
+
+def test_process_harness_steering_is_undone_exactly() -> None:
+    c10d = dist.distributed_c10d
+    before = (c10d._new_process_group_helper, c10d.rendezvous)
+    with _torch.process_harness.patched_init(lambda *a: None, lambda *a: None):
+        assert c10d._new_process_group_helper is not before[0]
+        assert c10d.rendezvous is not before[1]
+    assert (c10d._new_process_group_helper, c10d.rendezvous) == before

@@ -1,0 +1,657 @@
+"""torch's multi-process test harness, in one process: each test's ranks as aiocoll sync ranks.
+
+``aiocoll.testing.replace_process_harness()`` routes ``MultiProcessTestCase`` and
+``MultiProcContinuousTest`` here. A test's ranks run as a world of sync ranks (threads
+taking turns, each with its own random generators, c10d state and ``os.environ``), on
+a loop of their own on a helper thread, so that the test's thread can give up on
+ranks that never end. Each rank runs torch's own per-process code (``cls._run`` or
+``cls._worker_loop``) on an object of a class of its own (``rank_class``), as a
+process would: what one rank sets on its class, the others do not see.
+
+What a rank would have been as a process is handed back in torch's terms (exit codes,
+the tracebacks sent down the pipes, the results in the completion queues), so that
+torch's own code decides what passed, failed or was skipped, and aiocoll's report
+(which rank raised first, who was aborted because of it, the flight recorder) is
+added to the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+import unittest
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from . import _procstate, _torch
+from ._c10d import BACKEND
+from ._comm import Comm
+from ._engine import current_rank_state
+from ._errors import WorldAbortedError
+from ._spawn import DEFAULT_RECORD, _loop_factory, echoes_abort, run_world
+
+__all__ = [
+    "ContinuousRanks",
+    "FakeProcess",
+    "Fallback",
+    "InProcessWorld",
+    "Mailbox",
+    "RankEnd",
+    "Settings",
+    "WorldEnd",
+    "group_backend",
+    "rank_class",
+    "rendezvous",
+    "report_process_ranks",
+    "run_process_ranks",
+]
+
+# a rank terminated by torch's harness once another failed (-SIGTERM, as multiprocessing reports it)
+TERMINATED = -int(signal.SIGTERM)
+# ranks still running this long after the world was cancelled are given up on
+GRACE = 5.0
+_OWN_DIR = os.path.dirname(__file__)
+_THREADING = threading.__file__
+# a pausing rank looks this often whether its world was aborted
+PAUSE_SLICE = 0.05
+# backends whose groups become aiocoll groups in a harness rank (any device's, in "cpu:gloo,cuda:nccl")
+MAPPED_BACKENDS = frozenset({"gloo", "nccl", "ncclx", "xccl", "hccl", "mpi", "ucc", "undefined"})
+
+
+Fallback = Literal["processes", "skip"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How in-process tests run: set by ``replace_process_harness``."""
+
+    timeout: float | None  # one wait in one collective; None: half the test's own timeout
+    fallback: Fallback  # what becomes of tests that need processes of their own
+
+    def collective_timeout(self, test_timeout: float) -> float:
+        return self.timeout if self.timeout is not None else test_timeout / 2
+
+
+def rank_class(cls: type) -> Any:
+    """A subclass of ``cls`` for one rank, which passes for ``cls`` (same name, module, test ids).
+
+    In processes, a rank that sets a class attribute (``MultiProcContinuousTest`` sets
+    ``cls.rank`` and ``cls.pg``) sets its own copy; here each rank sets its subclass's.
+    """
+    return types.new_class(
+        cls.__name__,
+        (cls,),
+        exec_body=lambda ns: ns.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__),
+    )
+
+
+# -- what torch's harness sees of a rank: a process, its pipe ------------------------------
+
+
+class FakeProcess:
+    """A rank as torch's harness sees its process: a name, a pid, an exit code (None: still running)."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.name = f"process {rank}"
+        self.pid = f"aiocoll rank {rank}"  # a key of pid_to_pipe, and shown in torch's messages
+        self.exitcode = exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        """Nothing to stop: the rank's thread has ended (or cannot be stopped)."""
+
+    def kill(self) -> None:
+        """As ``terminate``."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """The rank has ended already."""
+
+    def __repr__(self) -> str:
+        return f"<FakeProcess {self.name} exitcode={self.exitcode}>"
+
+
+class Mailbox:
+    """The parent's end of a rank's pipe, as torch's harness reads it: what the rank sent."""
+
+    def __init__(self, messages: Sequence[Any]) -> None:
+        self._messages = list(messages)
+        self.closed = False
+
+    def recv(self) -> Any:
+        if not self._messages:  # (a process's closed pipe would raise EOFError)
+            return "(the rank sent nothing: its code exited with this code itself)\n"
+        return self._messages.pop(0)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return bool(self._messages)
+
+    def send(self, obj: Any) -> None:
+        """Requests to the rank (torch asks a hung process for its traceback): answered by aiocoll's report."""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return f"<Mailbox {len(self._messages)} message(s)>"
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended: its exit code as a process's, what it sent, the failure behind a non-zero code."""
+
+    exitcode: int | None = None
+    sent: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+# -- one test's world -------------------------------------------------------------------------
+
+
+class _Here(threading.local):
+    world: InProcessWorld | None = None
+    rank: int = -1
+
+
+_here = _Here()
+_process_state = _procstate.ProcessState()
+
+
+@dataclass
+class WorldEnd:
+    """How a test's world ended."""
+
+    error: BaseException | None  # what spawn raised: the first root cause, with aiocoll's notes
+    needs_process: _procstate.NeedsProcess | None  # a rank did what only a process can
+    elapsed: float
+    timed_out: bool = False  # the test ran past its deadline and was cancelled
+    busy: dict[int, str] = field(default_factory=dict)  # at the deadline: ranks busy outside aiocoll, where
+    left_running: list[int] = field(default_factory=list)  # ranks still running after GRACE: left behind
+
+    def timeout_error(self, test_id: str, deadline: float, message: str) -> RuntimeError:
+        """``message`` (torch's words for a timeout), with where the ranks were."""
+        err = RuntimeError(message)
+        err.add_note(f"aiocoll: {test_id} ran past its timeout of {deadline:g} s and was cancelled")
+        for rank, stack in sorted(self.busy.items()):
+            err.add_note(f"aiocoll: rank {rank} was running, at:\n{stack.rstrip()}")
+        if self.left_running:
+            err.add_note(
+                f"aiocoll: ranks {self.left_running} were still running {GRACE:g} s later; threads cannot be "
+                "stopped, so they were left running"
+            )
+        return err
+
+
+class InProcessWorld:
+    """Runs ``rank_main(rank)`` on ``size`` sync ranks, on a helper thread, bounded by ``deadline`` seconds."""
+
+    def __init__(self, size: int, collective_timeout: float | None, deadline: float) -> None:
+        self.size = size
+        self.collective_timeout = collective_timeout
+        self.deadline = deadline
+        self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._needs: _procstate.NeedsProcess | None = None
+        self._engine: Any = None  # the aiocoll World, once a rank runs
+
+    def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
+        environ = _procstate.snapshot_environ()
+        before = set(threading.enumerate())
+        start = time.monotonic()
+        timed_out, busy, left, elapsed = False, {}, [], 0.0
+        _process_state.enter()
+        try:
+            helper = threading.Thread(
+                target=self._main, args=(rank_main, environ), name="aiocoll harness loop", daemon=True
+            )
+            helper.start()
+            try:
+                finished = self._done.wait(self.deadline)
+            except BaseException:  # ^C: take the ranks down, as far as threads can be
+                self._cancel()
+                self._done.wait(GRACE)
+                raise
+            if not finished:
+                timed_out, elapsed = True, time.monotonic() - start
+                busy = self._busy(before)  # before cancelling: where they were when time ran out
+                self._cancel()
+                if not self._done.wait(GRACE):
+                    left = sorted(self._stacks(before))
+        finally:
+            _process_state.exit()
+            _procstate.restore_environ(environ)
+        if not timed_out:
+            elapsed = time.monotonic() - start
+        return WorldEnd(self._error, self._needs, elapsed, timed_out, busy, left)
+
+    def _main(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
+        def rank_fn(comm: Comm) -> None:
+            self._engine = getattr(comm, "_world", None)
+            _here.world, _here.rank = self, comm.rank
+            _procstate.bind(comm.rank, _procstate.RankEnviron(environ), _pause)
+            try:
+                rank_main(comm.rank)
+            except _procstate.NeedsProcess as e:
+                self._needs = self._needs or e
+                raise
+            finally:
+                _procstate.unbind()
+                _here.world = None
+
+        async def main() -> None:
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._task = asyncio.current_task()
+            await run_world(rank_fn, self.size, timeout=self.collective_timeout, c10d="state", record=DEFAULT_RECORD)
+
+        try:
+            with asyncio.Runner(loop_factory=_loop_factory("auto")) as runner:
+                runner.run(main())
+        except BaseException as e:  # handed to the test's thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def _cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            task = self._task
+        if task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the world ended meanwhile
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+    @staticmethod
+    def _stacks(before: set[threading.Thread]) -> dict[int, list[traceback.FrameSummary]]:
+        """The stack of each rank thread of this world still alive (not in ``before``)."""
+        frames = sys._current_frames()
+        out: dict[int, list[traceback.FrameSummary]] = {}
+        for t in threading.enumerate():
+            if t in before or not t.is_alive() or not t.name.startswith("aiocoll rank "):
+                continue
+            frame = frames.get(t.ident or -1)
+            if frame is not None:
+                out[int(t.name.rsplit(" ", 1)[1])] = traceback.extract_stack(frame)
+        return out
+
+    def _busy(self, before: set[threading.Thread]) -> dict[int, str]:
+        """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""
+        stacks = self._stacks(before)
+        try:
+            states = {r.rank: r.state for r in self._engine.statistics().ranks}
+        except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
+            states = {}
+        busy = {r: st for r, st in stacks.items() if states.get(r, "running") == "running"}
+        return {r: "".join(traceback.format_list(_outside_aiocoll(st))) for r, st in (busy or stacks).items()}
+
+    def __repr__(self) -> str:
+        return f"<InProcessWorld size={self.size} deadline={self.deadline}s done={self._done.is_set()}>"
+
+
+_sleep = time.sleep  # the real one: time.sleep is cooperative in harness ranks
+
+
+def _pause(seconds: float) -> None:
+    """In a harness rank: wait ``seconds``, the other ranks taking their turns meanwhile.
+
+    Once the world is aborted (a rank failed, the test ran out of time), the rank
+    learns of it here too, as a process would be stopped: ``WorldAbortedError``.
+    """
+    st = current_rank_state()
+    if st is None:
+        _sleep(seconds)
+        return
+    end = time.monotonic() + max(seconds, 0.0)
+    while True:
+        _raise_if_aborted(st.world)
+        left = end - time.monotonic()
+        step = min(max(left, 0.0), PAUSE_SLICE)
+        turns = st.world.turns
+        if turns is None or turns.free:
+            _sleep(step)
+        else:
+            turns.event(st.rank).wait(step)
+        if left <= PAUSE_SLICE:
+            return
+
+
+def _raise_if_aborted(world: Any) -> None:
+    aborted = world.aborted
+    if aborted is not None:
+        err = WorldAbortedError(str(aborted), rank=aborted.rank)
+        err.__cause__ = aborted.__cause__
+        raise err
+
+
+def _outside_aiocoll(stack: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """``stack`` from the rank's own code in: without the thread's and aiocoll's frames around it.
+
+    The outermost frames start the rank; the innermost, where a rank that sleeps waits
+    for its turn.
+    """
+    start, end = 0, len(stack)
+    while start < end - 1 and stack[start].filename.startswith((_OWN_DIR, _THREADING)):
+        start += 1
+    while end > start + 1 and stack[end - 1].filename.startswith(_OWN_DIR):
+        end -= 1
+    return stack[start:end]
+
+
+# -- torch.distributed inside a harness rank ----------------------------------------------------
+
+
+def _maps(backend: Any) -> bool:
+    """Whether ``backend`` ("gloo", "cpu:gloo,cuda:nccl", ...) is one a harness rank runs on aiocoll."""
+    names = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
+    return bool(names) and all(n in MAPPED_BACKENDS for n in names)
+
+
+def group_backend(backend: Any, group_rank: int, ranks: list[int]) -> str | None:
+    """For ``_torch.process_harness.patched_init``: aiocoll for the real backends, in harness ranks."""
+    world = _here.world
+    if world is None or not _maps(backend):
+        return None
+    if not ranks and group_rank != _here.rank:  # the default group
+        raise _procstate.NeedsProcess(
+            _here.rank, f"initialised torch.distributed as rank {group_rank}: its ranks form worlds of their own"
+        )
+    return BACKEND
+
+
+def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | None:
+    """For ``_torch.process_harness.patched_init``: the world's own store, in harness ranks."""
+    world = _here.world
+    if world is None:
+        return None
+    query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
+    if rank == -1:
+        rank = int(query.get("rank", _environ_int("RANK", url)))
+    if world_size == -1:
+        world_size = int(query.get("world_size", _environ_int("WORLD_SIZE", url)))
+    if rank != _here.rank or not 0 < world_size <= world.size:
+        raise _procstate.NeedsProcess(
+            _here.rank,
+            f"initialised torch.distributed as rank {rank} of {world_size}: its ranks form worlds of their own",
+        )
+    return world.store, rank, world_size
+
+
+def _environ_int(name: str, url: str) -> int:
+    if url.startswith("env://") and name in os.environ:
+        return int(os.environ[name])
+    raise ValueError(f"Error initializing torch.distributed using {url}: {name} is not given")
+
+
+# -- MultiProcessTestCase ------------------------------------------------------------------------
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit code of a process ended by ``e`` (as multiprocessing reports it)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    return 1
+
+
+def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[RankEnd]]:
+    """Run the ranks of ``case`` (a MultiProcessTestCase in the main process) in-process."""
+    error_code = int(case.TEST_ERROR_EXIT_CODE)
+    test_name = case._current_test_name()
+    cls, file_name, size = type(case), case.file_name, int(case.world_size)
+    kwargs = {"fake_pg": getattr(case, "fake_pg", False)}
+    ends = [RankEnd() for _ in range(size)]
+
+    def rank_main(rank: int) -> None:
+        end = ends[rank]
+        parent, child = multiprocessing.Pipe()
+        failure: BaseException | None = None
+        try:
+            rank_class(cls)._run(rank, test_name, file_name, child, **kwargs)
+            end.exitcode = 0
+        except SystemExit as e:
+            end.exitcode = _exit_code(e)
+            if end.exitcode == error_code and e.__context__ is not None:
+                failure = end.error = e.__context__  # what run_test caught, reported and exited for
+        except _procstate.NeedsProcess:
+            raise
+        except BaseException as e:  # out of _run itself: a process would print it and exit with 1
+            end.exitcode, failure = 1, e
+            end.error = e
+        finally:
+            with contextlib.suppress(OSError, EOFError):  # (EOF: run_test closed its end)
+                while parent.poll():
+                    end.sent.append(parent.recv())
+            parent.close()
+            child.close()
+        if failure is not None:
+            raise failure  # aiocoll's world learns of it now: the others are released at once
+
+    test_timeout = _torch.process_harness.test_timeout(case.id())
+    world = InProcessWorld(size, settings.collective_timeout(test_timeout), test_timeout)
+    return world.run(rank_main), ends
+
+
+def report_process_ranks(case: Any, fn: Any, end: WorldEnd, ends: list[RankEnd]) -> None:
+    """Hand the ranks' ends to torch's ``_check_return_codes``, adding aiocoll's report to a failure."""
+    error_code = int(case.TEST_ERROR_EXIT_CODE)
+    notes = list(getattr(end.error, "__notes__", []))
+    if end.timed_out:
+        first = min(end.busy, default=0)
+        deadline = _torch.process_harness.test_timeout(case.id())
+        raise end.timeout_error(
+            case.id(), deadline, f"Process {first} terminated or timed out after {end.elapsed} seconds"
+        )
+    processes, pipes = [], {}
+    seen: dict[tuple[type, str], int] = {}
+    for rank, e in enumerate(ends):
+        code, sent = e.exitcode, list(e.sent)
+        if e.error is not None and echoes_abort(e.error):
+            code, sent = TERMINATED, []  # only released because another rank failed: torch stops those
+        elif code == error_code and e.error is not None:
+            key = (type(e.error), str(e.error))
+            if key in seen:
+                sent = [f"(the same {type(e.error).__name__} as process {seen[key]})\n"]
+            else:
+                seen[key] = rank
+        elif code == 1 and e.error is not None:
+            notes.append(
+                f"aiocoll: process {rank} exited with code 1 on an exception out of {type(case).__name__}._run:\n"
+                + "".join(traceback.format_exception(e.error))
+            )
+        p = FakeProcess(rank, code)
+        processes.append(p)
+        pipes[p.pid] = Mailbox(sent)
+    if end.error is not None and not any(x.error is not None for x in ends):
+        raise end.error  # not a rank's: aiocoll's own (a torch it cannot work with, a warning made an error)
+    skips = _torch.process_harness.skips()
+    for rank, e in enumerate(ends):
+        if e.exitcode not in (0, None, error_code, 1):
+            # a rank that left early (skipped, sys.exit) while others went on: why they then waited
+            why = f" ({skips[e.exitcode]})" if e.exitcode in skips else ""
+            notes.append(f"aiocoll: process {rank} exited with code {e.exitcode}{why}")
+    case.processes, case.pid_to_pipe = processes, pipes
+    try:
+        case._check_return_codes(fn, end.elapsed)
+    except unittest.SkipTest:
+        raise
+    except BaseException as failure:
+        for n in notes:
+            failure.add_note(n)
+        raise
+
+
+# -- MultiProcContinuousTest -----------------------------------------------------------------------
+
+
+class _Tasks:
+    """A worker's task queue, in-process: the test ids it is given, then None."""
+
+    def __init__(self, items: Sequence[Any] = ()) -> None:
+        self._items = list(items)
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def __repr__(self) -> str:
+        return f"<_Tasks {self._items!r}>"
+
+
+class _Results:
+    """A worker's completion queue, as its rank thread fills it: a failure also fails the rank."""
+
+    def __init__(self, results: list[Any], rank: int) -> None:
+        self._results = results
+        self._rank = rank
+
+    def put(self, result: Any) -> None:
+        self._results[self._rank] = result
+        if isinstance(result, BaseException) and not isinstance(result, unittest.SkipTest):
+            # the worker loop would go on to its next test; the world must learn now
+            raise result.__cause__ or result
+
+
+class _Completion:
+    """A worker's completion queue, as the main process reads it: the test runs on the first read."""
+
+    def __init__(self, owner: ContinuousRanks, rank: int) -> None:
+        self._owner = owner
+        self._rank = rank
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        return self._owner.result(self._rank)
+
+    def empty(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<_Completion rank {self._rank} of {self._owner!r}>"
+
+
+class _Dispatch:
+    """A worker's task queue, as the main process fills it: the test id to run next."""
+
+    def __init__(self, owner: ContinuousRanks) -> None:
+        self._owner = owner
+
+    def put(self, test_id: Any) -> None:
+        if test_id is not None:  # None: the class is done (its tearDownClass)
+            self._owner.next_test = str(test_id)
+
+
+class ContinuousRanks:
+    """``MultiProcContinuousTest``'s workers, in-process: each test runs on a world of its own.
+
+    torch keeps W processes alive for a class's tests, each with its process group made
+    once. Here each test gets a fresh world whose ranks run the worker loop of torch
+    for that one test (``_init_pg``, the test, ``destroy_process_group``), so class-level
+    set-up runs per test, and one test's failure cannot leave the next one a broken
+    group.
+    """
+
+    def __init__(self, cls: type, size: int, settings: Settings, fallbacks: list[tuple[str, str]]) -> None:
+        self.cls = cls
+        self.size = size
+        self.settings = settings
+        self.fallbacks = fallbacks  # where to record a test that needs processes (skipped here)
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            self.rdvz_file = f.name
+        self.processes = [FakeProcess(r, 0) for r in range(size)]
+        self.task_queues = [_Dispatch(self) for _ in range(size)]
+        self.completion_queues = [_Completion(self, r) for r in range(size)]
+        self.next_test: str | None = None
+        self._test: str | None = None
+        self._results: list[Any] = []
+
+    def result(self, rank: int) -> Any:
+        """Rank ``rank``'s result of the current test (running it on the first request)."""
+        if self.next_test is not None and self.next_test != self._test:
+            self._test = self.next_test
+            self._results = self._run(self.next_test)
+        return self._results[rank]
+
+    def _run(self, test_id: str) -> list[Any]:
+        skips = _torch.process_harness.skips()
+        results: list[Any] = [None] * self.size
+        cls, size, rdvz_file = self.cls, self.size, self.rdvz_file
+
+        def rank_main(rank: int) -> None:
+            try:
+                rank_class(cls)._worker_loop(rank, size, rdvz_file, _Tasks([test_id, None]), _Results(results, rank))
+            except SystemExit as e:  # out of _init_pg (torch 2.10 lets it through)
+                code = _exit_code(e)
+                if code in skips:
+                    results[rank] = unittest.SkipTest(skips[code])
+                    return
+                results[rank] = _worker_error(e)
+                raise
+            except _procstate.NeedsProcess:
+                raise
+            except BaseException as e:
+                if results[rank] is None:
+                    results[rank] = _worker_error(e)
+                raise
+
+        test_timeout = _torch.process_harness.test_timeout(test_id)
+        world = InProcessWorld(size, self.settings.collective_timeout(test_timeout), test_timeout)
+        end = world.run(rank_main)
+        if end.needs_process is not None:
+            # torch's continuous workers serve a whole class: this one test is not run in processes
+            self.fallbacks.append((test_id, str(end.needs_process)))
+            return [unittest.SkipTest(f"aiocoll: {end.needs_process}: the test needs processes of its own")] * size
+        if end.timed_out:
+            err = end.timeout_error(test_id, test_timeout, f"Process timed out after {end.elapsed}s")
+            return [err] * size
+        root: BaseException | None = None
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, unittest.SkipTest):
+                cause = r.__cause__ or r
+                if not echoes_abort(cause) and (end.error is None or cause is end.error):
+                    root = r
+                    break
+        if end.error is not None and root is None:
+            # not a rank's failure: aiocoll's own (a torch it cannot work with, a warning made an error)
+            return [end.error] * size
+        if root is not None and root is not end.error:
+            # aiocoll's notes end the report (the cause's traceback was taken before they were added)
+            notes = getattr(end.error, "__notes__", [])
+            for n in notes:
+                root.add_note(n)
+            if end.error is not None and end.error is root.__cause__ and notes:
+                del end.error.__notes__
+            # ranks that were only released by the failure report it, not their release
+            results = [root if isinstance(r, BaseException) and echoes_abort(r.__cause__ or r) else r for r in results]
+        return [root if r is None else r for r in results]
+
+    def __repr__(self) -> str:
+        return f"<ContinuousRanks {self.cls.__name__} size={self.size} test={self._test}>"
+
+
+def _worker_error(e: BaseException) -> RuntimeError:
+    """What torch's worker loop puts in its completion queue for a failure."""
+    err = RuntimeError("Exception in worker process:\n" + "".join(traceback.format_exception(e)))
+    err.__cause__ = e
+    return err

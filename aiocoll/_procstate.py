@@ -1,0 +1,316 @@
+"""What a rank of torch's multi-process test harness had as a process, in a thread of one.
+
+torch's ``MultiProcessTestCase`` runs each rank in a process of its own; run in-process
+(``aiocoll.testing.replace_process_harness``), each rank is a thread. Its random
+generators are its own already (sync ranks take turns, ``_locals``). This module adds:
+
+- ``RankEnviron``: each rank's ``os.environ`` as Python code sees it. A rank starts from
+  the environment the test started with (as a spawned process inherits it) and sees
+  its own changes only: ranks that set ``LOCAL_RANK`` to their rank each read back
+  their own. Changes also reach the process's real environment, for C code that reads
+  it, where the last writer wins; it is put back as it was once the test ends.
+- ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
+  signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
+  wait for each other inside gloo) raise ``NeedsProcess`` in a rank thread instead of
+  ending, disturbing or hanging the whole test process; the harness then runs that
+  test in processes after all.
+- ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
+  (``Store.get``, ``wait``, ``multi_get`` called from Python) gives its turn to the
+  other ranks meanwhile, as a process would leave them the CPU; ranks that poll a file
+  or a store for each other then meet instead of waiting for ever.
+
+All are installed while at least one harness world runs (``ProcessState.enter``) and
+act only in threads bound to a rank (``bind``); every other thread sees the real thing.
+
+>>> env = RankEnviron({"A": "1"})
+>>> env.set("B", "2"); env.delete("A")
+>>> env.get("B"), "A" in env.keys()
+('2', False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Cooperative", "NeedsProcess", "ProcessOnly", "ProcessState", "RankEnviron", "bind", "bound_rank", "unbind"]
+
+
+class NeedsProcess(BaseException):
+    """A harness rank did what only a process of its own can do; the test must run in processes.
+
+    A ``BaseException``, like ``SystemExit``: the test's own ``except Exception`` must not
+    take it for a failure of its own. The harness never lets it reach the user.
+    """
+
+    def __init__(self, rank: int, what: str) -> None:
+        super().__init__(f"rank {rank} {what}")
+        self.rank = rank
+        self.what = what
+
+
+_MISSING = object()
+
+
+class RankEnviron:
+    """One rank's view of ``os.environ``: a base (the environment when its test started) and its own changes."""
+
+    __slots__ = ("_base", "_own")
+
+    def __init__(self, base: dict[str, str]) -> None:
+        self._base = base  # shared by the test's ranks, never written
+        self._own: dict[str, str | None] = {}  # None: deleted by this rank
+
+    def get(self, key: str) -> str:
+        """The value, or KeyError."""
+        value = self._own.get(key, _MISSING)
+        if value is _MISSING:
+            return self._base[key]
+        if value is None:
+            raise KeyError(key)
+        assert isinstance(value, str)
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self._own[key] = value
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``, or KeyError where this rank does not see it."""
+        self.get(key)
+        self._own[key] = None
+
+    def keys(self) -> list[str]:
+        out = [k for k in self._base if self._own.get(k, "") is not None]
+        out += [k for k, v in self._own.items() if v is not None and k not in self._base]
+        return out
+
+    def __repr__(self) -> str:
+        return f"<RankEnviron {len(self._own)} change(s) over {len(self._base)} variables>"
+
+
+class _Bound(threading.local):
+    rank: int | None = None
+    environ: RankEnviron | None = None
+    pause: Callable[[float], None] | None = None
+
+
+_bound = _Bound()
+_Store: Any = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
+
+
+def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> None:
+    """In a harness rank's thread, before its code runs; ``pause(s)`` waits ``s`` seconds, letting others run."""
+    _bound.rank, _bound.environ, _bound.pause = rank, environ, pause
+
+
+def unbind() -> None:
+    _bound.rank, _bound.environ, _bound.pause = None, None, None
+
+
+def bound_rank() -> int | None:
+    """The harness rank the calling thread runs, if any."""
+    return _bound.rank
+
+
+# -- os.environ, per rank ------------------------------------------------------------------
+
+_Environ: Any = type(os.environ)
+
+
+def _environ_methods() -> dict[str, Callable[..., Any]]:
+    """Replacements for ``os._Environ``'s methods: a bound rank thread reads and writes its own view."""
+    real_get, real_set, real_del = _Environ.__getitem__, _Environ.__setitem__, _Environ.__delitem__
+    real_iter, real_len = _Environ.__iter__, _Environ.__len__
+
+    def view(env: Any) -> RankEnviron | None:
+        # os.environb shares the class; only os.environ has views
+        return _bound.environ if env is os.environ else None
+
+    def getitem(self: Any, key: str) -> str:
+        v = view(self)
+        return real_get(self, key) if v is None else v.get(key)
+
+    def setitem(self: Any, key: str, value: str) -> None:
+        v = view(self)
+        real_set(self, key, value)  # checks the types as always, and C code sees it
+        if v is not None:
+            v.set(key, value)
+
+    def delitem(self: Any, key: str) -> None:
+        v = view(self)
+        if v is None:
+            real_del(self, key)
+            return
+        v.delete(key)
+        with contextlib.suppress(KeyError):  # (set by this rank in its own view only)
+            real_del(self, key)
+
+    def iterate(self: Any) -> Iterator[str]:
+        v = view(self)
+        return real_iter(self) if v is None else iter(v.keys())
+
+    def length(self: Any) -> int:
+        v = view(self)
+        return real_len(self) if v is None else len(v.keys())
+
+    return {
+        "__getitem__": getitem,
+        "__setitem__": setitem,
+        "__delitem__": delitem,
+        "__iter__": iterate,
+        "__len__": length,
+    }
+
+
+# -- calls only a process of its own can make ------------------------------------------------
+
+
+class ProcessOnly:
+    """Wrappers raising ``NeedsProcess`` in a bound rank thread, for calls that act on the whole process."""
+
+    @staticmethod
+    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+        """``(module, name, replacement)`` for each call that is refused in a rank."""
+        out: list[tuple[Any, str, Callable[..., Any]]] = []
+
+        def refuse(module: Any, name: str, what: Callable[..., str | None]) -> None:
+            real = getattr(module, name, None)
+            if real is None:  # (not on this platform)
+                return
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                rank = _bound.rank
+                if rank is not None:
+                    why = what(*args, **kwargs)
+                    if why is not None:
+                        raise NeedsProcess(rank, why)
+                return real(*args, **kwargs)
+
+            wrapper.__name__ = wrapper.__qualname__ = name
+            wrapper.__doc__ = real.__doc__
+            wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+            out.append((module, name, wrapper))
+
+        def to_self(pid: int, sig: int) -> str | None:
+            return f"sent signal {sig} to its own process" if pid in (0, os.getpid()) else None
+
+        def gloo(pg: Any, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> str | None:
+            return (
+                "made a ProcessGroupGloo directly (its ranks would wait for each other inside gloo)"
+                if size > 1
+                else None
+            )
+
+        if dist.is_gloo_available():
+            refuse(dist.ProcessGroupGloo, "__init__", gloo)
+        refuse(os, "_exit", lambda code=0: f"called os._exit({code})")
+        refuse(os, "abort", lambda: "called os.abort()")
+        refuse(os, "kill", to_self)
+        refuse(signal, "raise_signal", lambda sig: f"raised signal {sig}")
+        refuse(signal, "signal", lambda sig, handler: f"installed a handler for signal {sig}")
+        refuse(signal, "alarm", lambda seconds: f"set an alarm ({seconds} s)")
+        refuse(signal, "setitimer", lambda which, seconds, interval=0.0: "set an interval timer")
+        return out
+
+
+class Cooperative:
+    """Wrappers that wait by letting the other ranks run, in a bound rank thread."""
+
+    POLL = 0.002  # seconds between two looks at a store while others run
+
+    @staticmethod
+    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+        real_sleep = time.sleep
+
+        def sleep(seconds: float) -> None:
+            pause = _bound.pause
+            if pause is None:
+                real_sleep(seconds)
+            else:
+                pause(seconds)
+
+        out: list[tuple[Any, str, Callable[..., Any]]] = [(time, "sleep", sleep)]
+        for name in ("get", "wait", "multi_get"):
+            real = getattr(_Store, name, None)
+            if real is not None:
+                out.append((_Store, name, Cooperative._store_wait(name, real)))
+        return out
+
+    @staticmethod
+    def _store_wait(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(store: Any, *args: Any, **kwargs: Any) -> Any:
+            pause = _bound.pause
+            if pause is not None and args:
+                keys = [args[0]] if name == "get" else list(args[0])
+                limit = args[1] if name == "wait" and len(args) > 1 else getattr(store, "timeout", None)
+                seconds = limit.total_seconds() if isinstance(limit, timedelta) else 300.0
+                deadline = time.monotonic() + seconds
+                try:
+                    # until the keys are there (or the store's timeout, which the real call then raises)
+                    while not store.check(keys) and time.monotonic() < deadline:
+                        pause(Cooperative.POLL)
+                except (RuntimeError, NotImplementedError, AttributeError):  # a store that cannot check
+                    pass
+            return real(store, *args, **kwargs)
+
+        wrapper.__name__ = wrapper.__qualname__ = name
+        wrapper.__doc__ = real.__doc__
+        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+        return wrapper
+
+
+class ProcessState:
+    """Installs ``RankEnviron`` and ``ProcessOnly`` while harness worlds run (counted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count > 1:
+                return
+            patches = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
+            patches += ProcessOnly.wrappers()
+            patches += Cooperative.wrappers()
+            for owner, name, fn in patches:
+                self._saved.append(
+                    (owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name))
+                )
+                setattr(owner, name, fn)
+
+    def exit(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count:
+                return
+            for owner, name, real in reversed(self._saved):
+                setattr(owner, name, real)
+            self._saved.clear()
+
+    def __repr__(self) -> str:
+        return f"<ProcessState worlds={self._count}>"
+
+
+def snapshot_environ() -> dict[str, str]:
+    """The process's environment now (what a rank started now would inherit)."""
+    return dict(os.environ)
+
+
+def restore_environ(saved: dict[str, str]) -> None:
+    """Put the process's environment back as ``saved`` (from the calling thread, outside any rank)."""
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value

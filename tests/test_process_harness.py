@@ -1,0 +1,568 @@
+"""aiocoll.testing.replace_process_harness: torch's multi-process test harness, in one process.
+
+The harness's test classes below are not collected by pytest (``__test__ = False``):
+each pytest test runs some of them with unittest and asserts on the outcome, so that
+the failing ones can be checked too.
+"""
+
+# PyTorch-style test cases: torch's TestCase.assertEqual is the one that compares tensors
+# ruff: noqa: PT009
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+import unittest
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.testing._internal import common_distributed
+from torch.testing._internal.common_distributed import (
+    TEST_SKIPS,
+    MultiProcContinuousTest,
+    MultiProcessTestCase,
+    skip_if_lt_x_gpu,
+)
+from torch.testing._internal.distributed._tensor.common_dtensor import (
+    DTensorContinuousTestBase,
+    DTensorTestBase,
+    with_comms,
+)
+
+import aiocoll
+from aiocoll._c10d import AiocollProcessGroup
+from aiocoll.testing import ProcessHarnessReplacement, replace_process_harness
+
+# ranks record here what the pytest tests then check (one process: they can)
+seen: dict[str, Any] = {}
+
+
+class _Case(MultiProcessTestCase):
+    """The usual shape of a MultiProcessTestCase: processes spawned in setUp."""
+
+    __test__ = False
+    world = 4
+
+    @property
+    def world_size(self) -> int:
+        return self.world
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    def init(self, backend: str = "gloo") -> None:
+        dist.init_process_group(
+            backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size
+        )
+
+
+class Basics(_Case):
+    marker: ClassVar[str] = "class"
+
+    def test_runs_in_this_process(self) -> None:
+        self.init()
+        self.assertEqual(os.getpid(), seen["pid"])
+        self.assertEqual(dist.get_backend(), "gloo")  # as asked, while the group is aiocoll's
+        self.assertIsInstance(dist.group.WORLD, AiocollProcessGroup)
+        self.assertEqual((dist.get_rank(), dist.get_world_size()), (self.rank, 4))
+        t = torch.tensor([self.rank + 1.0])
+        dist.all_reduce(t, op=dist.ReduceOp.PRODUCT)
+        self.assertEqual(t.item(), 24.0)
+        # a test object and a class of its own, as in a process
+        type(self).marker = f"rank {self.rank}"
+        seen.setdefault("objects", {})[self.rank] = (id(self), self.file_name)
+        dist.barrier()
+        self.assertEqual(type(self).marker, f"rank {self.rank}")
+
+    def test_init_methods(self) -> None:
+        # env:// with the rank and size given; the store is aiocoll's either way
+        dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=4)
+        dist.barrier()
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:1", rank=self.rank, world_size=4)
+        dist.barrier()
+        dist.destroy_process_group()
+        store = dist.FileStore(self.file_name, 4)
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=self.rank, world_size=4)
+        self.assertEqual(dist.get_backend(), "cpu:gloo,cuda:nccl")
+        objs: list[Any] = [None] * 4
+        dist.all_gather_object(objs, self.rank)
+        self.assertEqual(objs, [0, 1, 2, 3])
+
+    def test_subgroups_and_mesh(self) -> None:
+        self.init()
+        evens = dist.new_group([0, 2], backend="gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t, group=mesh["tp"].get_group())
+        self.assertEqual(t.item(), 1.0 if self.rank < 2 else 5.0)
+        if self.rank % 2 == 0:
+            dist.all_reduce(t, group=evens)
+            self.assertEqual(t.item(), 6.0)
+
+    def test_leaves_its_group(self) -> None:
+        self.init()  # not destroyed: the harness destroys it, and the next test makes its own
+        dist.barrier()
+
+
+class Seeds(_Case):
+    def test_seeds_per_rank(self) -> None:
+        self.init()
+        # run_test seeded every rank alike, as in processes
+        first = torch.randn(3)
+        torch.manual_seed(self.rank)
+        random.seed(self.rank)
+        np.random.seed(self.rank)
+        dist.barrier()  # the other ranks run meanwhile, and draw
+        drawn = (torch.randn(3), random.random(), np.random.rand())
+        seen.setdefault("draws", {})[self.rank] = (first, *drawn)
+
+    def test_environ_per_rank(self) -> None:
+        self.init()
+        os.environ["LOCAL_RANK"] = str(self.rank)
+        os.environ["AIOCOLL_SHARED"] = "same"
+        dist.barrier()
+        self.assertEqual(os.environ["LOCAL_RANK"], str(self.rank))
+        self.assertEqual(os.getenv("AIOCOLL_SHARED"), "same")
+        self.assertNotIn("AIOCOLL_TEST_UNSET_ME", os.environ)
+        if self.rank == 1:
+            del os.environ["AIOCOLL_TEST_PRESET"]
+        dist.barrier()
+        self.assertEqual("AIOCOLL_TEST_PRESET" in os.environ, self.rank != 1)
+
+
+class Waits(_Case):
+    world = 2
+
+    def test_store_and_polling(self) -> None:
+        # ranks that wait for each other through a store or a file, as separate processes can
+        store = dist.FileStore(self.file_name, 2)
+        flag = self.file_name + ".flag"
+        if self.rank == 0:
+            self.assertEqual(store.get("from 1"), b"hello")  # rank 1 has not run yet: rank 0 lets it
+            store.set("from 0", "hi")
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            os.remove(flag)
+        else:
+            store.set("from 1", "hello")
+            store.wait(["from 0"])
+            open(flag, "w").close()
+        seen.setdefault("waited", set()).add(self.rank)
+
+
+class Skips(_Case):
+    @skip_if_lt_x_gpu(2)
+    def test_needs_gpus(self) -> None:
+        seen["ran on cpu"] = True
+
+    def test_skip_test(self) -> None:
+        self.skipTest("not today")
+
+    def test_exit_code(self) -> None:
+        sys.exit(TEST_SKIPS["odd_worldsize"].exit_code)
+
+
+class Failures(_Case):
+    def test_rank_fails(self) -> None:
+        self.init()
+        if self.rank == 1:
+            time.sleep(0.3)  # the others wait in the barrier by now
+            raise ValueError("rank 1 is broken")
+        dist.barrier()
+
+    def test_mismatch(self) -> None:
+        self.init()
+        t = torch.ones(2)
+        if self.rank == 2:
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t)
+
+    def test_returns_early(self) -> None:
+        self.init()
+        if self.rank != 3:
+            dist.barrier()
+
+    def test_slow_rank(self) -> None:
+        self.init()
+        dist.barrier()
+        if self.rank == 0:
+            time.sleep(1.5)  # holding its turn: the others wait in the next barrier
+        dist.barrier()
+
+    def test_past_the_timeout(self) -> None:
+        self.init()
+        if self.rank == 2:
+            time.sleep(2.5)
+        dist.barrier()
+
+
+class NeedsProcesses(_Case):
+    world = 2
+
+    def test_os_exit(self) -> None:
+        if self.rank == 1:
+            os._exit(0)  # in processes: rank 1 exits, rank 0 passes
+
+    def test_signal_handler(self) -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+    def test_gloo_directly(self) -> None:
+        dist.ProcessGroupGloo(dist.FileStore(self.file_name, 2), self.rank, 2)
+
+    def test_separate_worlds(self) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
+
+    def setUp(self) -> None:
+        super().setUp()
+        if self._testMethodName == "test_exit_codes_checked":
+            self.skip_return_code_checks = [self.test_exit_codes_checked.__wrapped__]  # type: ignore[attr-defined]
+
+    def test_exit_codes_checked(self) -> None:
+        pass
+
+
+class DTensors(DTensorTestBase):
+    """torch's own DTensor test base, as DTensor's tests use it."""
+
+    __test__ = False
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    @with_comms
+    def test_distribute_and_backward(self) -> None:
+        mesh = self.build_device_mesh()
+        self.assertEqual(dist.get_backend(), self.backend)
+        full = torch.randn(8, 4)  # the same on every rank: run_test seeded them alike
+        d = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        self.assertEqual(d.full_tensor(), full)
+        r = d.redistribute(mesh, [Replicate()])
+        r.to_local().sum().backward()
+        self.assertEqual(d.grad.placements, (Shard(0),))
+        self.assertEqual(d.grad.to_local(), torch.ones(2, 4))
+        p = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+        self.assertEqual(p.full_tensor(), torch.full((2,), 4.0))
+        local = torch.randn(2, requires_grad=True)  # views of it are broadcast into: autograd must not mind
+        views = local.chunk(2)
+        distribute_tensor(local, mesh, [Replicate()])
+        self.assertEqual(views[0].sum() + views[1].sum(), local.sum())
+
+    @with_comms
+    def test_fails(self) -> None:
+        if self.rank == 3:
+            raise AssertionError("rank 3 disagrees")
+        dist.barrier()
+
+
+class Continuous(DTensorContinuousTestBase):
+    """torch's test base that keeps its processes across a class's tests."""
+
+    __test__ = False
+    world_size = 4
+
+    def test_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.arange(16.0).reshape(4, 4)
+        self.assertEqual(distribute_tensor(full, mesh, [Shard(0)]).full_tensor(), full)
+        self.assertEqual(self.rank, dist.get_rank())
+        self.assertIs(type(self).pg, dist.group.WORLD)  # the class attribute _init_pg set, per rank
+        seen.setdefault("continuous", set()).add(self.rank)
+
+    @skip_if_lt_x_gpu(2)
+    def test_skip(self) -> None:
+        seen["ran on cpu"] = True
+
+    def test_os_exit(self) -> None:
+        if self.rank == 1:
+            os._exit(0)
+
+    def test_zz_fails(self) -> None:  # last: a failure skips the class's later tests, as in torch
+        if self.rank == 2:
+            raise KeyError("rank 2 lost it")
+        dist.barrier()
+
+
+class TorchOwn(_Case):
+    """Checks that torch's own harness (processes) is the one in use."""
+
+    world = 2
+
+    def test_in_processes(self) -> None:
+        if os.getpid() == int(os.environ["AIOCOLL_TEST_PID"]):
+            raise AssertionError("ran in the test process")
+
+
+# -- running them -----------------------------------------------------------------------
+
+
+def _run(case: type[unittest.TestCase], *names: str) -> unittest.TestResult:
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite([case(n) for n in names]) if names else loader.loadTestsFromTestCase(case)
+    result = unittest.TestResult()
+    suite.run(result)
+    return result
+
+
+def _problems(result: unittest.TestResult) -> str:
+    return "\n".join(f"{t}: {tb}" for t, tb in result.errors + result.failures)
+
+
+def _failure_of(result: unittest.TestResult) -> str:
+    problems = result.errors + result.failures
+    assert len(problems) == 1, _problems(result)
+    return problems[0][1]
+
+
+@pytest.fixture(autouse=True)
+def _seen() -> Iterator[None]:
+    seen.clear()
+    seen["pid"] = os.getpid()
+    yield
+    seen.clear()
+
+
+@pytest.fixture
+def harness() -> Iterator[ProcessHarnessReplacement]:
+    with replace_process_harness(timeout=60) as r:
+        yield r
+
+
+def _torch_state() -> tuple[Any, ...]:
+    """What replace_process_harness changes, by identity."""
+    return (
+        MultiProcessTestCase.__dict__["_start_processes"],
+        MultiProcessTestCase.__dict__["_join_processes"],
+        MultiProcContinuousTest.__dict__["_spawn_processes"],
+        c10d._new_process_group_helper,
+        c10d.rendezvous,
+    )
+
+
+# 1. the tests run unmodified, in this process
+
+
+def test_ranks_run_in_process_with_objects_of_their_own(harness: ProcessHarnessReplacement) -> None:
+    result = _run(Basics)
+    assert result.testsRun == 4
+    assert result.wasSuccessful(), _problems(result)
+    objects = seen["objects"]
+    assert sorted(objects) == [0, 1, 2, 3]
+    assert len({obj for obj, _ in objects.values()}) == 4
+    assert len({name for _, name in objects.values()}) == 1  # the test's file_name, shared
+    assert Basics.marker == "class"  # the ranks set their own classes'
+    assert harness.fallbacks == []
+    assert not dist.is_initialized()  # this thread's c10d state was never touched
+
+
+def test_dtensor_test_base(harness: ProcessHarnessReplacement) -> None:
+    result = _run(DTensors, "test_distribute_and_backward")
+    assert result.wasSuccessful(), _problems(result)
+
+
+def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
+    result = _run(Continuous)
+    assert result.testsRun == 4
+    assert seen["continuous"] == {0, 1, 2, 3}
+    reasons = sorted(reason for _, reason in result.skipped)
+    assert len(reasons) == 2, _problems(result)
+    # torch keeps a class's workers alive: one that needs processes of its own is skipped, with why
+    assert "aiocoll: rank 1 called os._exit(0): the test needs processes of its own" in reasons
+    assert harness.fallbacks == [(f"{__name__}.Continuous.test_os_exit", "rank 1 called os._exit(0)")]
+    assert "ran on cpu" not in seen
+    failure = _failure_of(result)
+    assert "RuntimeError: Exception in worker process" in failure
+    assert "KeyError: 'rank 2 lost it" in failure
+    assert "aiocoll: raised on rank 2 of a world of 4" in failure
+    assert "aiocoll: ranks [0, 1, 3] were aborted because of it" in failure
+    assert failure.count("aiocoll: raised on rank") == 1
+
+
+# 2. each rank has its process state
+
+
+def test_seeds_and_generators_per_rank(harness: ProcessHarnessReplacement) -> None:
+    state = torch.random.get_rng_state()
+    result = _run(Seeds, "test_seeds_per_rank")
+    assert result.wasSuccessful(), _problems(result)
+    draws = seen["draws"]
+    for r in range(1, 4):
+        assert torch.equal(draws[r][0], draws[0][0])  # seeded alike by torch's run_test
+    for r in range(4):
+        g = torch.Generator().manual_seed(r)
+        assert torch.equal(draws[r][1], torch.randn(3, generator=g))
+        assert draws[r][2] == random.Random(r).random()
+        assert draws[r][3] == np.random.RandomState(r).rand()
+    assert torch.equal(torch.random.get_rng_state(), state)  # this thread's generator is its own
+
+
+def test_environment_per_rank(harness: ProcessHarnessReplacement, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCOLL_TEST_PRESET", "1")
+    monkeypatch.delenv("AIOCOLL_TEST_UNSET_ME", raising=False)
+    before = dict(os.environ)
+    result = _run(Seeds, "test_environ_per_rank")
+    assert result.wasSuccessful(), _problems(result)
+    assert dict(os.environ) == before  # as a parent's environment after its children ran
+
+
+def test_ranks_waiting_for_each_other_outside_collectives(harness: ProcessHarnessReplacement) -> None:
+    t0 = time.monotonic()
+    result = _run(Waits)
+    assert result.wasSuccessful(), _problems(result)
+    assert seen["waited"] == {0, 1}
+    assert time.monotonic() - t0 < 10
+
+
+# 3. skips and failures read as torch's harness reports them, with aiocoll's report
+
+
+def test_skips(harness: ProcessHarnessReplacement) -> None:
+    result = _run(Skips)
+    assert result.testsRun == 3
+    assert result.wasSuccessful(), _problems(result)
+    reasons = sorted(reason for _, reason in result.skipped)
+    assert reasons == sorted(
+        [
+            TEST_SKIPS["multi-gpu-2" if "multi-gpu-2" in TEST_SKIPS else "multi-device-2"].message,  # renamed in 2.15
+            TEST_SKIPS["generic"].message,
+            TEST_SKIPS["odd_worldsize"].message,
+        ]
+    )
+    assert "ran on cpu" not in seen
+
+
+def test_failing_rank_is_named_and_releases_the_others(harness: ProcessHarnessReplacement) -> None:
+    t0 = time.monotonic()
+    failure = _failure_of(_run(Failures, "test_rank_fails"))
+    assert time.monotonic() - t0 < 20
+    assert "Process 1 exited with error code 10 and exception" in failure
+    assert "ValueError: rank 1 is broken" in failure
+    assert f'{__file__}", line' in failure  # the rank's own traceback
+    assert "aiocoll: raised on rank 1 of a world of 4" in failure
+    assert "aiocoll: ranks [0, 2, 3] were aborted because of it" in failure
+    assert "Process 0 exited" not in failure  # only released by it: left out
+    assert "WorldAbortedError" not in failure
+
+
+def test_dtensor_failure(harness: ProcessHarnessReplacement) -> None:
+    failure = _failure_of(_run(DTensors, "test_fails"))
+    assert "Process 3 exited with error code 10" in failure
+    assert "AssertionError: rank 3 disagrees" in failure
+    assert "aiocoll: raised on rank 3 of a world of 4" in failure
+
+
+def test_mismatch_is_reported(harness: ProcessHarnessReplacement) -> None:
+    failure = _failure_of(_run(Failures, "test_mismatch"))
+    assert "CollectiveMismatchError: ranks called different collectives" in failure
+    assert f"rank 2: broadcast(float32[2], src=0) at {__file__}:" in failure
+    assert f"rank 0: all_reduce(float32[2], op=ReduceOp.SUM) at {__file__}:" in failure
+    assert failure.count("CollectiveMismatchError: ranks called") == 1  # once, not once per rank
+    assert "(the same CollectiveMismatchError as process 0)" in failure
+
+
+def test_deadlock_is_reported(harness: ProcessHarnessReplacement) -> None:
+    failure = _failure_of(_run(Failures, "test_returns_early"))
+    assert "DeadlockError: deadlock: every live rank waits" in failure
+    assert "rank 3: returned" in failure
+    assert failure.count("DeadlockError: deadlock") == 1
+
+
+def test_collective_timeout() -> None:
+    with replace_process_harness(timeout=0.5):
+        failure = _failure_of(_run(Failures, "test_slow_rank"))
+    assert "CollectiveTimeoutError" in failure
+    assert "rank 0" in failure
+
+
+def test_hang_becomes_a_report(harness: ProcessHarnessReplacement, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's own knob for a test's timeout
+    monkeypatch.setitem(common_distributed.TIMEOUT_OVERRIDE, "test_past_the_timeout", 1)
+    t0 = time.monotonic()
+    failure = _failure_of(_run(Failures, "test_past_the_timeout"))
+    assert time.monotonic() - t0 < 10
+    assert "Process 2 terminated or timed out after" in failure
+    assert "ran past its timeout of 1 s" in failure
+    assert "aiocoll: rank 2 was running, at:" in failure
+    assert "time.sleep(2.5)" in failure
+
+
+# 4. what needs processes of its own runs in processes, or is skipped with the reason
+
+
+def test_what_needs_processes_is_skipped_with_the_reason() -> None:
+    with replace_process_harness(fallback="skip") as harness:
+        result = _run(
+            NeedsProcesses,
+            "test_os_exit",
+            "test_signal_handler",
+            "test_gloo_directly",
+            "test_separate_worlds",
+            "test_exit_codes_checked",
+        )
+    assert result.wasSuccessful(), _problems(result)
+    reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
+    assert reasons["test_os_exit"] == "aiocoll: rank 1 called os._exit(0): the test needs processes of its own"
+    assert "installed a handler for signal" in reasons["test_signal_handler"]
+    assert "rank 1 initialised torch.distributed as rank 0 of 1" in reasons["test_separate_worlds"]
+    assert "skip_return_code_checks" in reasons["test_exit_codes_checked"]
+    assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
+    assert len(harness.fallbacks) == 5
+    assert not hasattr(os._exit, "__wrapped__")  # restored
+    assert not hasattr(signal.signal, "__wrapped__")
+
+
+def test_what_needs_processes_runs_in_processes() -> None:
+    with replace_process_harness() as harness:
+        result = _run(NeedsProcesses, "test_os_exit")
+    assert result.wasSuccessful(), _problems(result)
+    assert result.skipped == []
+    assert harness.fallbacks == [(f"{__name__}.NeedsProcesses.test_os_exit", "rank 1 called os._exit(0)")]
+
+
+# the replacement itself
+
+
+def test_context_manager_restores_torch_exactly() -> None:
+    before = _torch_state()
+    with replace_process_harness() as outer:
+        assert _torch_state()[0] is not before[0]
+        with replace_process_harness():  # nested: the outer one stays in force
+            pass
+        assert _run(Basics, "test_leaves_its_group").wasSuccessful()
+        assert "in force" in repr(outer)
+    outer.restore()  # again: a no-op
+    assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
+    assert "restored" in repr(outer)
+
+
+def test_plain_call_until_restore(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCOLL_TEST_PID", str(os.getpid()))  # the processes inherit it
+    before = _torch_state()
+    r = replace_process_harness()
+    try:
+        assert _run(Basics, "test_leaves_its_group").wasSuccessful()
+    finally:
+        r.restore()
+    assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
+    result = _run(TorchOwn)
+    assert result.wasSuccessful(), _problems(result)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(aiocoll.InvalidArgumentError, match="timeout"):
+        replace_process_harness(timeout=0)
+    with pytest.raises(aiocoll.InvalidArgumentError, match="fallback"):
+        replace_process_harness(fallback="maybe")
