@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from aiocoll import InvalidArgumentError
+from aiocoll import _ops as ops
 from aiocoll._ops import (
     OPS,
     AllGather,
@@ -976,3 +977,17 @@ def test_every_spelling_of_a_reduce_op_gets_the_canonical_kind() -> None:
     premul = pickle.loads(pickle.dumps(Reduction.of(dist._make_nccl_premul_sum(2.0))))
     assert premul.kind is R.PREMUL_SUM
     assert premul.factor == 2.0
+
+
+def test_checked_reduction_caches_only_what_passed() -> None:
+    # a cached SUM for float32 must not let an unsupported dtype through, before or after
+    with pytest.raises(InvalidArgumentError, match="uint16"):
+        ops.checked_reduction(dist.ReduceOp.SUM, torch.uint16)
+    assert ops.checked_reduction(dist.ReduceOp.SUM, torch.float32).kind is dist.ReduceOp.SUM
+    assert ops.checked_reduction(dist.ReduceOp.SUM, torch.float32) == ops.checked_reduction("sum", torch.float32)
+    with pytest.raises(InvalidArgumentError, match="uint16"):
+        ops.checked_reduction(dist.ReduceOp.SUM, torch.uint16)
+    with pytest.raises(InvalidArgumentError, match="BAND"):
+        ops.checked_reduction(dist.ReduceOp.BAND, torch.float32)
+    # a ReduceOp object (what torch.distributed hands a backend) is unwrapped each time
+    assert ops.checked_reduction(dist.ReduceOp(dist.ReduceOp.MAX), torch.int8).kind is dist.ReduceOp.MAX
