@@ -541,6 +541,8 @@ def _start_thread(
             finally:
                 if session is not None:
                     session.finish()
+                # now, in its turn, not as the thread exits (where two exiting rank threads can deadlock in torch)
+                _torch.drop_thread_caches()
         except BaseException as e:
             ok, value = False, e
         if turns is not None:

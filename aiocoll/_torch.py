@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,6 +45,7 @@ __all__ = [
     "backend_of",
     "check_c10d",
     "default_group",
+    "drop_thread_caches",
     "foreach_copy_",
     "group_timeout",
     "new_group_helper",
@@ -256,6 +259,42 @@ def prepare_for_rank_threads() -> None:
     if ensure_guard is not None and not torch.cuda.is_available():
         ensure_guard()
     _prepared = True
+
+
+# -- what torch frees as a thread exits ------------------------------------------------
+
+# DTensor's C++ fast path (2.10-2.15, torch/csrc/autograd/python_variable.cpp) keeps a
+# sharding-propagation cache per thread and frees it through a capsule under this key of
+# the thread's state dict
+_DTENSOR_THREAD_CACHE = "__DTensor_fastpath_thread_cache_cleanup"
+# a function pointer of our own (pythonapi's attributes are shared); it returns a borrowed
+# reference, which a py_object restype would release once too often: take it as a pointer
+_GetDict = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_GetDict", ctypes.pythonapi))
+_drop_lock = threading.Lock()
+
+
+def _thread_state_dict() -> dict[str, Any] | None:
+    """The calling thread's state dict (``PyThreadState_GetDict``), or None."""
+    ptr = _GetDict()
+    return None if not ptr else ctypes.cast(ptr, ctypes.py_object).value
+
+
+def drop_thread_caches() -> None:
+    """Free now, in the calling thread, the per-thread caches torch frees when a thread exits.
+
+    Freeing DTensor's per-thread cache takes a C++ mutex, then the GIL (its entries hold
+    Python objects). Threads that exit at once, as a world's rank threads do, can
+    deadlock there: one holds the GIL and waits for the mutex, the other holds the
+    mutex and waits for the GIL (seen as 1 run in about 10 of a DTensor test file on
+    torch 2.10, in ``PyThreadState_Clear`` of two exiting ranks). A rank thread calls this
+    before it ends; the lock, which waits without the GIL, makes threads that call it at
+    once free theirs one at a time. A thread that uses DTensor again gets a new cache.
+    """
+    state = _thread_state_dict()
+    if state is None or _DTENSOR_THREAD_CACHE not in state:
+        return
+    with _drop_lock:
+        state.pop(_DTENSOR_THREAD_CACHE, None)
 
 
 # -- per-rank c10d state --------------------------------------------------------------

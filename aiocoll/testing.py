@@ -271,6 +271,8 @@ class _DefaultGroup(AiocollProcessGroup):
 
     def shutdown(self) -> None:
         super().shutdown()
+        # in the rank's thread: torch's threads exit together, which can deadlock freeing this cache
+        _torch.drop_thread_caches()
         self._run.rank_ended(self._st, None)
 
 

@@ -227,3 +227,20 @@ def test_process_harness_steering_is_undone_exactly() -> None:
         assert c10d._new_process_group_helper is not before[0]
         assert c10d.rendezvous is not before[1]
     assert (c10d._new_process_group_helper, c10d.rendezvous) == before
+
+
+def test_rank_threads_free_dtensors_per_thread_cache_in_their_turn() -> None:
+    # freed as the threads exit, two ranks' caches can deadlock torch (a C++ mutex against the GIL)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def fn(comm: aiocoll.Comm) -> tuple[bool, bool]:
+        mesh = init_device_mesh("cpu", (2,))
+        (distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2).sum().full_tensor()
+        state = _torch._thread_state_dict()
+        assert state is not None
+        had = _torch._DTENSOR_THREAD_CACHE in state
+        _torch.drop_thread_caches()
+        return had, _torch._DTENSOR_THREAD_CACHE in state
+
+    assert aiocoll.spawn(fn, world=2) == [(True, False)] * 2
