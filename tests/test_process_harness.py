@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from _unittest_runs import problems, run_case
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.testing._internal import common_distributed
@@ -309,21 +310,9 @@ class TorchOwn(_Case):
 # -- running them -----------------------------------------------------------------------
 
 
-def _run(case: type[unittest.TestCase], *names: str) -> unittest.TestResult:
-    loader = unittest.TestLoader()
-    suite = unittest.TestSuite([case(n) for n in names]) if names else loader.loadTestsFromTestCase(case)
-    result = unittest.TestResult()
-    suite.run(result)
-    return result
-
-
-def _problems(result: unittest.TestResult) -> str:
-    return "\n".join(f"{t}: {tb}" for t, tb in result.errors + result.failures)
-
-
 def _failure_of(result: unittest.TestResult) -> str:
     problems = result.errors + result.failures
-    assert len(problems) == 1, _problems(result)
+    assert len(problems) == 1, problems(result)
     return problems[0][1]
 
 
@@ -356,9 +345,9 @@ def _torch_state() -> tuple[Any, ...]:
 
 
 def test_ranks_run_in_process_with_objects_of_their_own(harness: ProcessHarnessReplacement) -> None:
-    result = _run(Basics)
+    result = run_case(Basics)
     assert result.testsRun == 4
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
     objects = seen["objects"]
     assert sorted(objects) == [0, 1, 2, 3]
     assert len({obj for obj, _ in objects.values()}) == 4
@@ -369,16 +358,16 @@ def test_ranks_run_in_process_with_objects_of_their_own(harness: ProcessHarnessR
 
 
 def test_dtensor_test_base(harness: ProcessHarnessReplacement) -> None:
-    result = _run(DTensors, "test_distribute_and_backward")
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(DTensors, "test_distribute_and_backward")
+    assert result.wasSuccessful(), problems(result)
 
 
 def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
-    result = _run(Continuous)
+    result = run_case(Continuous)
     assert result.testsRun == 4
     assert seen["continuous"] == {0, 1, 2, 3}
     reasons = sorted(reason for _, reason in result.skipped)
-    assert len(reasons) == 2, _problems(result)
+    assert len(reasons) == 2, problems(result)
     # torch keeps a class's workers alive: one that needs processes of its own is skipped, with why
     assert "aiocoll: rank 1 called os._exit(0): the test needs processes of its own" in reasons
     assert harness.fallbacks == [(f"{__name__}.Continuous.test_os_exit", "rank 1 called os._exit(0)")]
@@ -396,8 +385,8 @@ def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
 
 def test_seeds_and_generators_per_rank(harness: ProcessHarnessReplacement) -> None:
     state = torch.random.get_rng_state()
-    result = _run(Seeds, "test_seeds_per_rank")
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(Seeds, "test_seeds_per_rank")
+    assert result.wasSuccessful(), problems(result)
     draws = seen["draws"]
     for r in range(1, 4):
         assert torch.equal(draws[r][0], draws[0][0])  # seeded alike by torch's run_test
@@ -413,15 +402,15 @@ def test_environment_per_rank(harness: ProcessHarnessReplacement, monkeypatch: p
     monkeypatch.setenv("AIOCOLL_TEST_PRESET", "1")
     monkeypatch.delenv("AIOCOLL_TEST_UNSET_ME", raising=False)
     before = dict(os.environ)
-    result = _run(Seeds, "test_environ_per_rank")
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(Seeds, "test_environ_per_rank")
+    assert result.wasSuccessful(), problems(result)
     assert dict(os.environ) == before  # as a parent's environment after its children ran
 
 
 def test_ranks_waiting_for_each_other_outside_collectives(harness: ProcessHarnessReplacement) -> None:
     t0 = time.monotonic()
-    result = _run(Waits)
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(Waits)
+    assert result.wasSuccessful(), problems(result)
     assert seen["waited"] == {0, 1}
     assert time.monotonic() - t0 < 10
 
@@ -430,9 +419,9 @@ def test_ranks_waiting_for_each_other_outside_collectives(harness: ProcessHarnes
 
 
 def test_skips(harness: ProcessHarnessReplacement) -> None:
-    result = _run(Skips)
+    result = run_case(Skips)
     assert result.testsRun == 3
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
     reasons = sorted(reason for _, reason in result.skipped)
     assert reasons == sorted(
         [
@@ -446,7 +435,7 @@ def test_skips(harness: ProcessHarnessReplacement) -> None:
 
 def test_failing_rank_is_named_and_releases_the_others(harness: ProcessHarnessReplacement) -> None:
     t0 = time.monotonic()
-    failure = _failure_of(_run(Failures, "test_rank_fails"))
+    failure = _failure_of(run_case(Failures, "test_rank_fails"))
     assert time.monotonic() - t0 < 20
     assert "Process 1 exited with error code 10 and exception" in failure
     assert "ValueError: rank 1 is broken" in failure
@@ -458,14 +447,14 @@ def test_failing_rank_is_named_and_releases_the_others(harness: ProcessHarnessRe
 
 
 def test_dtensor_failure(harness: ProcessHarnessReplacement) -> None:
-    failure = _failure_of(_run(DTensors, "test_fails"))
+    failure = _failure_of(run_case(DTensors, "test_fails"))
     assert "Process 3 exited with error code 10" in failure
     assert "AssertionError: rank 3 disagrees" in failure
     assert "aiocoll: raised on rank 3 of a world of 4" in failure
 
 
 def test_mismatch_is_reported(harness: ProcessHarnessReplacement) -> None:
-    failure = _failure_of(_run(Failures, "test_mismatch"))
+    failure = _failure_of(run_case(Failures, "test_mismatch"))
     assert "CollectiveMismatchError: ranks called different collectives" in failure
     assert f"rank 2: broadcast(float32[2], src=0) at {__file__}:" in failure
     assert f"rank 0: all_reduce(float32[2], op=ReduceOp.SUM) at {__file__}:" in failure
@@ -474,7 +463,7 @@ def test_mismatch_is_reported(harness: ProcessHarnessReplacement) -> None:
 
 
 def test_deadlock_is_reported(harness: ProcessHarnessReplacement) -> None:
-    failure = _failure_of(_run(Failures, "test_returns_early"))
+    failure = _failure_of(run_case(Failures, "test_returns_early"))
     assert "DeadlockError: deadlock: every live rank waits" in failure
     assert "rank 3: returned" in failure
     assert failure.count("DeadlockError: deadlock") == 1
@@ -482,7 +471,7 @@ def test_deadlock_is_reported(harness: ProcessHarnessReplacement) -> None:
 
 def test_collective_timeout() -> None:
     with replace_process_harness(timeout=0.5):
-        failure = _failure_of(_run(Failures, "test_slow_rank"))
+        failure = _failure_of(run_case(Failures, "test_slow_rank"))
     assert "CollectiveTimeoutError" in failure
     assert "rank 0" in failure
 
@@ -491,7 +480,7 @@ def test_hang_becomes_a_report(harness: ProcessHarnessReplacement, monkeypatch: 
     # torch's own knob for a test's timeout
     monkeypatch.setitem(common_distributed.TIMEOUT_OVERRIDE, "test_past_the_timeout", 1)
     t0 = time.monotonic()
-    failure = _failure_of(_run(Failures, "test_past_the_timeout"))
+    failure = _failure_of(run_case(Failures, "test_past_the_timeout"))
     assert time.monotonic() - t0 < 10
     assert "Process 2 terminated or timed out after" in failure
     assert "ran past its timeout of 1 s" in failure
@@ -504,7 +493,7 @@ def test_hang_becomes_a_report(harness: ProcessHarnessReplacement, monkeypatch: 
 
 def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     with replace_process_harness(fallback="skip") as harness:
-        result = _run(
+        result = run_case(
             NeedsProcesses,
             "test_os_exit",
             "test_signal_handler",
@@ -512,7 +501,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_separate_worlds",
             "test_exit_codes_checked",
         )
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
     assert reasons["test_os_exit"] == "aiocoll: rank 1 called os._exit(0): the test needs processes of its own"
     assert "installed a handler for signal" in reasons["test_signal_handler"]
@@ -526,8 +515,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
 
 def test_what_needs_processes_runs_in_processes() -> None:
     with replace_process_harness() as harness:
-        result = _run(NeedsProcesses, "test_os_exit")
-    assert result.wasSuccessful(), _problems(result)
+        result = run_case(NeedsProcesses, "test_os_exit")
+    assert result.wasSuccessful(), problems(result)
     assert result.skipped == []
     assert harness.fallbacks == [(f"{__name__}.NeedsProcesses.test_os_exit", "rank 1 called os._exit(0)")]
 
@@ -541,7 +530,7 @@ def test_context_manager_restores_torch_exactly() -> None:
         assert _torch_state()[0] is not before[0]
         with replace_process_harness():  # nested: the outer one stays in force
             pass
-        assert _run(Basics, "test_leaves_its_group").wasSuccessful()
+        assert run_case(Basics, "test_leaves_its_group").wasSuccessful()
         assert "in force" in repr(outer)
     outer.restore()  # again: a no-op
     assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
@@ -553,12 +542,12 @@ def test_plain_call_until_restore(monkeypatch: pytest.MonkeyPatch) -> None:
     before = _torch_state()
     r = replace_process_harness()
     try:
-        assert _run(Basics, "test_leaves_its_group").wasSuccessful()
+        assert run_case(Basics, "test_leaves_its_group").wasSuccessful()
     finally:
         r.restore()
     assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
-    result = _run(TorchOwn)
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(TorchOwn)
+    assert result.wasSuccessful(), problems(result)
 
 
 def test_bad_arguments() -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from _unittest_runs import problems, run_case
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.common_distributed import MultiThreadedTestCase, spawn_threads_and_init_comms
@@ -221,21 +222,9 @@ class TorchOwn(MultiThreadedTestCase):
 # -- running them -----------------------------------------------------------------------
 
 
-def _run(case: type[unittest.TestCase], *names: str) -> unittest.TestResult:
-    loader = unittest.TestLoader()
-    suite = unittest.TestSuite([case(n) for n in names]) if names else loader.loadTestsFromTestCase(case)
-    result = unittest.TestResult()
-    suite.run(result)
-    return result
-
-
-def _problems(result: unittest.TestResult) -> str:
-    return "\n".join(f"{t}: {tb}" for t, tb in result.errors + result.failures)
-
-
 def _error_of(result: unittest.TestResult) -> str:
-    assert not result.failures, _problems(result)
-    assert len(result.errors) == 1, _problems(result)
+    assert not result.failures, problems(result)
+    assert len(result.errors) == 1, problems(result)
     return result.errors[0][1]
 
 
@@ -253,9 +242,9 @@ TORCH_OWN_HARNESS_BROKEN = hasattr(dist.distributed_c10d._World, "comms") and no
 def _check_torch_own_harness() -> None:
     if TORCH_OWN_HARNESS_BROKEN:
         pytest.skip(f"torch {torch.__version__}'s own threaded harness is broken ('ThreadLocalWorld' has no 'comms')")
-    result = _run(TorchOwn)
+    result = run_case(TorchOwn)
     assert result.testsRun == 1
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
 
 
 def _torch_state() -> tuple[Any, ...]:
@@ -269,29 +258,29 @@ def _torch_state() -> tuple[Any, ...]:
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_collectives_subgroups_mesh_funcol() -> None:
-    result = _run(Collectives)
+    result = run_case(Collectives)
     assert result.testsRun == 6
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_dtensor() -> None:
-    result = _run(DTensors)
+    result = run_case(DTensors)
     assert result.testsRun == 1
-    assert result.wasSuccessful(), _problems(result)
+    assert result.wasSuccessful(), problems(result)
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_spawn_threads_and_init_comms() -> None:
-    result = _run(Decorated, "test_collectives")
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(Decorated, "test_collectives")
+    assert result.wasSuccessful(), problems(result)
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_failing_rank_releases_the_others_at_once() -> None:
     Failures.released.clear()
     t0 = time.monotonic()
-    result = _run(Failures, "test_rank_fails")
+    result = run_case(Failures, "test_rank_fails")
     took = time.monotonic() - t0
     # rank 1 fails after 0.5 s; torch's own process group would keep the others waiting
     assert took < 10, took
@@ -313,7 +302,7 @@ def test_failing_rank_releases_the_others_at_once() -> None:
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_failing_rank_with_spawn_threads_and_init_comms() -> None:
     t0 = time.monotonic()
-    result = _run(Decorated, "test_rank_fails")
+    result = run_case(Decorated, "test_rank_fails")
     assert time.monotonic() - t0 < 10
     error = _error_of(result)
     assert "KeyError: 'rank 0 gave up'" in error
@@ -323,7 +312,7 @@ def test_failing_rank_with_spawn_threads_and_init_comms() -> None:
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_mismatch_is_reported() -> None:
-    error = _error_of(_run(Failures, "test_mismatch"))
+    error = _error_of(run_case(Failures, "test_mismatch"))
     assert "CollectiveMismatchError: ranks called different collectives" in error
     assert f"rank 2: broadcast(float32[2], src=0) at {__file__}:" in error
     assert f"rank 0: all_reduce(float32[2], op=ReduceOp.SUM) at {__file__}:" in error
@@ -332,7 +321,7 @@ def test_mismatch_is_reported() -> None:
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_deadlock_is_reported() -> None:
-    error = _error_of(_run(Failures, "test_returns_early"))
+    error = _error_of(run_case(Failures, "test_returns_early"))
     assert "DeadlockError: deadlock: every live rank waits" in error
     assert "rank 3: returned" in error
     assert error.count("DeadlockError: deadlock") == 1
@@ -340,8 +329,8 @@ def test_deadlock_is_reported() -> None:
 
 @pytest.mark.usefixtures("aiocoll_pg")
 def test_skip_on_one_rank_skips_the_test() -> None:
-    result = _run(Failures, "test_skip_on_one_rank")
-    assert result.wasSuccessful(), _problems(result)
+    result = run_case(Failures, "test_skip_on_one_rank")
+    assert result.wasSuccessful(), problems(result)
     assert len(result.skipped) == 1
 
 
@@ -349,8 +338,8 @@ def test_skip_on_one_rank_skips_the_test() -> None:
 def test_unmatched_send_is_reported() -> None:
     # every rank ended normally, so the test passes, but the send would hang or be lost for real
     with pytest.warns(RuntimeWarning, match=r"1 operation\(s\) no peer ever matched:\n  rank 0: send"):
-        result = _run(Failures, "test_unmatched_send")
-    assert result.wasSuccessful(), _problems(result)
+        result = run_case(Failures, "test_unmatched_send")
+    assert result.wasSuccessful(), problems(result)
 
 
 def test_context_manager_restores_torch_exactly() -> None:
@@ -359,7 +348,7 @@ def test_context_manager_restores_torch_exactly() -> None:
         assert _torch_state()[0] is not before[0]
         with replace_threaded_pg():  # nested: the outer one stays in force
             pass
-        assert _run(Collectives, "test_runs_on_aiocoll").wasSuccessful()
+        assert run_case(Collectives, "test_runs_on_aiocoll").wasSuccessful()
     outer.restore()  # again: a no-op
     assert _torch_state() == before
     assert all(a is b for a, b in zip(_torch_state(), before, strict=True))
@@ -371,7 +360,7 @@ def test_plain_call_until_restore() -> None:
     before, thread_local_world = _torch_state(), set(vars(ThreadLocalWorld))
     r = replace_threaded_pg()
     try:
-        assert _run(Collectives, "test_runs_on_aiocoll").wasSuccessful()
+        assert run_case(Collectives, "test_runs_on_aiocoll").wasSuccessful()
     finally:
         r.restore()
     assert _torch_state() == before

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from torch.distributed.fsdp import fully_shard
 import aiocoll
 from aiocoll import Comm
 from aiocoll._turns import SameCpu, TurnEvent, Turns
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
 
@@ -385,23 +388,18 @@ _affinity = pytest.mark.skipif(
 )
 
 
-@_affinity
-def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None:
-    import os
-
-    mask = os.sched_getaffinity(0)
-    cpu = min(mask)
-    cpus = SameCpu(1, lambda: cpu)
-    seen: dict[str, set[int]] = {}
+def _woken_then_running(cpus: SameCpu, probe: Callable[[int], T]) -> dict[str, T]:
+    """``probe(0)`` in a rank thread woken after ``cpus.pin`` ("woken"), then after its ``unpin`` ("running")."""
+    seen: dict[str, T] = {}
     registered, pinned = threading.Event(), threading.Event()
 
     def rank() -> None:
         cpus.register(0)
         registered.set()
         pinned.wait(10)
-        seen["woken"] = os.sched_getaffinity(0)
+        seen["woken"] = probe(0)
         cpus.unpin(0)
-        seen["running"] = os.sched_getaffinity(0)
+        seen["running"] = probe(0)
 
     th = threading.Thread(target=rank)
     th.start()
@@ -409,6 +407,17 @@ def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None
     cpus.pin(0)
     pinned.set()
     th.join(10)
+    return seen
+
+
+@_affinity
+def test_a_hand_over_wakes_the_next_rank_on_this_cpu_and_then_frees_it() -> None:
+    import os
+
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    cpus = SameCpu(1, lambda: cpu)
+    seen = _woken_then_running(cpus, os.sched_getaffinity)
     assert seen == {"woken": {cpu}, "running": mask}
     assert cpus.on
 
@@ -419,23 +428,8 @@ def test_a_woken_rank_waits_for_the_waking_thread_to_sleep_then_gets_its_policy_
 
     cpu = min(os.sched_getaffinity(0))
     cpus = SameCpu(1, lambda: cpu, batch=True)
-    seen: dict[str, int] = {}
-    registered, pinned = threading.Event(), threading.Event()
-
-    def rank() -> None:
-        cpus.register(0)
-        registered.set()
-        pinned.wait(10)
-        seen["woken"] = os.sched_getscheduler(0)  # SCHED_BATCH: it does not preempt the waking thread
-        cpus.unpin(0)
-        seen["running"] = os.sched_getscheduler(0)
-
-    th = threading.Thread(target=rank)
-    th.start()
-    assert registered.wait(10)
-    cpus.pin(0)
-    pinned.set()
-    th.join(10)
+    # woken: SCHED_BATCH, so it does not preempt the waking thread
+    seen = _woken_then_running(cpus, os.sched_getscheduler)
     assert seen == {"woken": os.SCHED_BATCH, "running": os.SCHED_OTHER}
 
 
