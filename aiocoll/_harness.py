@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import tempfile
@@ -68,6 +70,7 @@ _THREADING = threading.__file__
 PAUSE_SLICE = 0.05
 # backends whose groups become aiocoll groups in a harness rank (any device's, in "cpu:gloo,cuda:nccl")
 MAPPED_BACKENDS = frozenset({"gloo", "nccl", "ncclx", "xccl", "hccl", "mpi", "ucc", "undefined"})
+_log = logging.getLogger("aiocoll.testing")  # (the logger of the public module: where users look)
 
 
 Fallback = Literal["processes", "skip"]
@@ -552,14 +555,95 @@ class _Completion:
 
 
 class _Dispatch:
-    """A worker's task queue, as the main process fills it: the test id to run next."""
+    """A worker's task queue, as the main process fills it: the test id to run next, None at the class's end."""
 
-    def __init__(self, owner: ContinuousRanks) -> None:
+    def __init__(self, owner: ContinuousRanks, rank: int) -> None:
         self._owner = owner
+        self._rank = rank
 
     def put(self, test_id: Any) -> None:
-        if test_id is not None:  # None: the class is done (its tearDownClass)
+        if test_id is None:  # the class is done (its tearDownClass)
+            self._owner.stop(self._rank)
+        else:
             self._owner.next_test = str(test_id)
+
+
+class _Worker(FakeProcess):
+    """A continuous worker as the main process sees it: joining it joins the real one, if the class started any."""
+
+    def __init__(self, owner: ContinuousRanks, rank: int) -> None:
+        super().__init__(rank, 0)
+        self._owner = owner
+        self._rank = rank
+
+    def join(self, timeout: float | None = None) -> None:
+        self._owner.join(self._rank, timeout)
+
+
+class _RealWorkers:
+    """torch's own continuous workers for one class: real processes, each with its group made once.
+
+    Started the first time a test of the class needs processes of its own (and
+    ``fallback="processes"``); that test, and any later one of the class that needs
+    processes, runs on them, as it would under torch's harness.
+    """
+
+    _CLASS_ATTRS = ("processes", "task_queues", "completion_queues", "rdvz_file")
+
+    def __init__(self, cls: type, size: int, spawn: Callable[[type, int], None]) -> None:
+        # torch's _spawn_processes sets its lists on the class; the main process keeps
+        # talking to the in-process ones there, so they are put back
+        saved = {name: cls.__dict__[name] for name in self._CLASS_ATTRS if name in cls.__dict__}
+        try:
+            spawn(cls, size)
+            self.processes: list[Any] = list(cls.processes)  # type: ignore[attr-defined]
+            self.tasks: list[Any] = list(cls.task_queues)  # type: ignore[attr-defined]
+            self.completions: list[Any] = list(cls.completion_queues)  # type: ignore[attr-defined]
+            self.rdvz_file: str = cls.rdvz_file  # type: ignore[attr-defined]
+        finally:
+            for name in self._CLASS_ATTRS:
+                if name in saved:
+                    setattr(cls, name, saved[name])
+                elif name in cls.__dict__:
+                    delattr(cls, name)
+        self._joined: set[int] = set()
+
+    def run(self, test_id: str, timeout: float) -> list[Any]:
+        """Each worker's result of ``test_id``: the id when it passed, else what it put (or why it put nothing)."""
+        for q in self.tasks:
+            q.put(test_id)
+        deadline = time.monotonic() + timeout
+        return [self._result(p, q, deadline) for p, q in zip(self.processes, self.completions, strict=True)]
+
+    @staticmethod
+    def _result(process: Any, completions: Any, deadline: float) -> Any:
+        # as torch's newer harness reads a worker (torch 2.10 waits forever): its result, or
+        # why there is none, a dead worker or the test's timeout
+        while True:
+            try:
+                return completions.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if not process.is_alive() and completions.empty():
+                    return RuntimeError(f"Exited with {process.exitcode}")
+                if time.monotonic() > deadline:
+                    return RuntimeError(f"Process timed out after {deadline - time.monotonic():.0f}s")
+
+    def stop(self, rank: int) -> None:
+        self.tasks[rank].put(None)
+
+    def join(self, rank: int, timeout: float | None) -> None:
+        p = self.processes[rank]
+        p.join(GRACE if timeout is None else timeout)
+        if p.is_alive():  # still in a test that timed out: torch's harness would wait forever
+            p.kill()
+            p.join(GRACE)
+        self._joined.add(rank)
+        if len(self._joined) == len(self.processes):
+            with contextlib.suppress(OSError):
+                os.remove(self.rdvz_file)
+
+    def __repr__(self) -> str:
+        return f"<_RealWorkers pids={[p.pid for p in self.processes]}>"
 
 
 class ContinuousRanks:
@@ -569,22 +653,33 @@ class ContinuousRanks:
     once. Here each test gets a fresh world whose ranks run the worker loop of torch
     for that one test (``_init_pg``, the test, ``destroy_process_group``), so class-level
     set-up runs per test, and one test's failure cannot leave the next one a broken
-    group.
+    group. A test that needs processes of its own runs on torch's own workers for the
+    class, started then (``spawn``: torch's ``_spawn_processes``), or is skipped, as
+    ``settings.fallback`` says.
     """
 
-    def __init__(self, cls: type, size: int, settings: Settings, fallbacks: list[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        cls: type,
+        size: int,
+        settings: Settings,
+        fallbacks: list[tuple[str, str]],
+        spawn: Callable[[type, int], None],
+    ) -> None:
         self.cls = cls
         self.size = size
         self.settings = settings
-        self.fallbacks = fallbacks  # where to record a test that needs processes (skipped here)
+        self.fallbacks = fallbacks  # where to record a test that needs processes
+        self._spawn = spawn
         with tempfile.NamedTemporaryFile(delete=False) as f:
             self.rdvz_file = f.name
-        self.processes = [FakeProcess(r, 0) for r in range(size)]
-        self.task_queues = [_Dispatch(self) for _ in range(size)]
+        self.processes = [_Worker(self, r) for r in range(size)]
+        self.task_queues = [_Dispatch(self, r) for r in range(size)]
         self.completion_queues = [_Completion(self, r) for r in range(size)]
         self.next_test: str | None = None
         self._test: str | None = None
         self._results: list[Any] = []
+        self._workers: _RealWorkers | None = None  # torch's own, once a test needed them
 
     def result(self, rank: int) -> Any:
         """Rank ``rank``'s result of the current test (running it on the first request)."""
@@ -592,6 +687,24 @@ class ContinuousRanks:
             self._test = self.next_test
             self._results = self._run(self.next_test)
         return self._results[rank]
+
+    def stop(self, rank: int) -> None:
+        """The class is done: rank ``rank``'s worker may end."""
+        if self._workers is not None:
+            self._workers.stop(rank)
+
+    def join(self, rank: int, timeout: float | None) -> None:
+        if self._workers is not None:
+            self._workers.join(rank, timeout)
+
+    def _in_processes(self, test_id: str, reason: str, test_timeout: float) -> list[Any]:
+        self.fallbacks.append((test_id, reason))
+        if self.settings.fallback == "skip":
+            return [unittest.SkipTest(f"aiocoll: {reason}: the test needs processes of its own")] * self.size
+        _log.warning("aiocoll: %s: %s; running it in processes", test_id, reason)
+        if self._workers is None:
+            self._workers = _RealWorkers(self.cls, self.size, self._spawn)
+        return self._workers.run(test_id, test_timeout)
 
     def _run(self, test_id: str) -> list[Any]:
         skips = _torch.process_harness.skips()
@@ -619,9 +732,7 @@ class ContinuousRanks:
         world = InProcessWorld(size, self.settings.collective_timeout(test_timeout), test_timeout)
         end = world.run(rank_main)
         if end.needs_process is not None:
-            # torch's continuous workers serve a whole class: this one test is not run in processes
-            self.fallbacks.append((test_id, str(end.needs_process)))
-            return [unittest.SkipTest(f"aiocoll: {end.needs_process}: the test needs processes of its own")] * size
+            return self._in_processes(test_id, str(end.needs_process), test_timeout)
         if end.timed_out:
             err = end.timeout_error(test_id, test_timeout, f"Process timed out after {end.elapsed}s")
             return [err] * size

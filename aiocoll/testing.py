@@ -541,6 +541,8 @@ def _spawn_continuous(cls: Any, world_size: int) -> None:
     if replacement is None:
         _process_saved["continuous"].__func__(cls, world_size)
         return
-    ranks = _harness.ContinuousRanks(cls, int(world_size), replacement.settings, replacement.fallbacks)
+    ranks = _harness.ContinuousRanks(
+        cls, int(world_size), replacement.settings, replacement.fallbacks, _process_saved["continuous"].__func__
+    )
     cls.rdvz_file = ranks.rdvz_file
     cls.processes, cls.task_queues, cls.completion_queues = ranks.processes, ranks.task_queues, ranks.completion_queues

@@ -287,14 +287,24 @@ class Continuous(DTensorContinuousTestBase):
     def test_skip(self) -> None:
         seen["ran on cpu"] = True
 
-    def test_os_exit(self) -> None:
-        if self.rank == 1:
-            os._exit(0)
+    def test_signal_handler(self) -> None:
+        # needs a process of its own: runs on torch's workers for the class, started now
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        self.assertNotEqual(os.getpid(), int(os.environ["AIOCOLL_TEST_PID"]))
+        dist.barrier()
 
     def test_zz_fails(self) -> None:  # last: a failure skips the class's later tests, as in torch
         if self.rank == 2:
             raise KeyError("rank 2 lost it")
         dist.barrier()
+
+
+class ContinuousSignal(DTensorContinuousTestBase):
+    """A class of one continuous test that needs processes of its own (its class is not poisoned by another's)."""
+
+    __test__ = False
+    world_size = 2
+    test_signal_handler = Continuous.test_signal_handler
 
 
 class TorchOwn(_Case):
@@ -362,15 +372,15 @@ def test_dtensor_test_base(harness: ProcessHarnessReplacement) -> None:
     assert result.wasSuccessful(), problems(result)
 
 
-def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
+def test_continuous_test_base(harness: ProcessHarnessReplacement, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCOLL_TEST_PID", str(os.getpid()))
     result = run_case(Continuous)
     assert result.testsRun == 4
     assert seen["continuous"] == {0, 1, 2, 3}
-    reasons = sorted(reason for _, reason in result.skipped)
-    assert len(reasons) == 2, problems(result)
-    # torch keeps a class's workers alive: one that needs processes of its own is skipped, with why
-    assert "aiocoll: rank 1 called os._exit(0): the test needs processes of its own" in reasons
-    assert harness.fallbacks == [(f"{__name__}.Continuous.test_os_exit", "rank 1 called os._exit(0)")]
+    # a test that needs processes of its own ran on torch's own workers, and passed there
+    assert [t for t, _ in harness.fallbacks] == [f"{__name__}.Continuous.test_signal_handler"]
+    assert "installed a handler for signal" in harness.fallbacks[0][1]
+    assert [t.id().rsplit(".", 1)[1] for t, _ in result.skipped] == ["test_skip"], problems(result)
     assert "ran on cpu" not in seen
     failure = _failure_of(result)
     assert "RuntimeError: Exception in worker process" in failure
@@ -378,6 +388,19 @@ def test_continuous_test_base(harness: ProcessHarnessReplacement) -> None:
     assert "aiocoll: raised on rank 2 of a world of 4" in failure
     assert "aiocoll: ranks [0, 1, 3] were aborted because of it" in failure
     assert failure.count("aiocoll: raised on rank") == 1
+
+
+def test_continuous_test_needing_processes_is_skipped_with_the_reason() -> None:
+    with replace_process_harness(fallback="skip") as harness:
+        result = run_case(ContinuousSignal)
+    assert result.testsRun == 1
+    assert result.wasSuccessful(), problems(result)
+    [(test, reason)] = result.skipped
+    assert test.id().endswith("test_signal_handler")
+    assert reason.startswith("aiocoll: ")
+    assert reason.endswith(": the test needs processes of its own")
+    assert "installed a handler for signal" in reason
+    assert len(harness.fallbacks) == 1
 
 
 # 2. each rank has its process state
