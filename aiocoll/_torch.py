@@ -244,7 +244,8 @@ def prepare_for_rank_threads() -> None:
       installs a no-op CUDA device guard on its first use where CUDA is unavailable
       (``torch._C._ensureCUDADeviceGuardSet``). On torch 2.10's CUDA build without a GPU,
       rank threads doing that at once crashed in ``c10::impl::ensureCUDADeviceGuardSet``;
-      done here first, their calls find it set.
+      done here first, their calls find it set. (See ``_install_cuda_guard`` for which
+      thread installs it.)
 
     Costs about 0.1 ms, once, whatever the caller's grad mode.
     """
@@ -257,8 +258,33 @@ def prepare_for_rank_threads() -> None:
         torch.autograd.backward((x * 2).sum())
     ensure_guard = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
     if ensure_guard is not None and not torch.cuda.is_available():
-        ensure_guard()
+        _install_cuda_guard(ensure_guard)
     _prepared = True
+
+
+def _install_cuda_guard(ensure_guard: Callable[[], None]) -> None:
+    """Install the no-op CUDA guard from a thread that lives as long as the process.
+
+    torch 2.10 keeps the guard it installs in a ``thread_local`` of the installing
+    thread (pytorch#178950): installed from a thread that then ends (a world run from a
+    helper thread, as the pytest plugin and the process harness do), it is freed while
+    torch still points at it, and the next ``FakeTensorMode`` crashes. The main thread
+    installs it itself; any other caller hands it to a thread that never ends.
+    """
+    if threading.current_thread() is threading.main_thread():
+        ensure_guard()
+        return
+    installed = threading.Event()
+
+    def keeper() -> None:
+        try:
+            ensure_guard()
+        finally:
+            installed.set()
+        threading.Event().wait()  # never set: the guard lives as long as the process
+
+    threading.Thread(target=keeper, name="aiocoll CUDA guard keeper", daemon=True).start()
+    installed.wait()
 
 
 # -- what torch frees as a thread exits ------------------------------------------------

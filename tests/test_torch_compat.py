@@ -166,6 +166,34 @@ def test_no_crash_when_a_backward_follows_a_dtensor_world() -> None:
     assert proc.stdout.split("\n")[:2] == ["3920.0", "[[0.0, 4.0], [8.0, 12.0]]"]
 
 
+def test_no_crash_when_the_first_world_ran_from_a_thread_that_ended() -> None:
+    # torch 2.10's CUDA build without a GPU crashed (segmentation fault) here: the no-op
+    # CUDA guard was installed from the helper thread, and freed when it ended
+    code = textwrap.dedent(
+        """
+        import asyncio, threading, warnings
+        import torch, aiocoll
+        from aiocoll._spawn import spawn_async
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        warnings.simplefilter("ignore")
+
+        def rank(comm):
+            with FakeTensorMode():
+                torch.empty(3)
+            return comm.rank
+
+        first = []
+        helper = threading.Thread(target=lambda: first.append(asyncio.run(spawn_async(rank, 2))))
+        helper.start()
+        helper.join()
+        print(first[0], aiocoll.spawn(rank, world=2), aiocoll.spawn(rank, world=2))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[0, 1] [0, 1] [0, 1]"
+
+
 def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.11 added _World.comms but not to the harness's ThreadLocalWorld
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
