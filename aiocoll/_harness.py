@@ -17,14 +17,12 @@ added to the failure.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -42,7 +40,8 @@ from ._c10d import BACKEND
 from ._comm import Comm
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
-from ._spawn import DEFAULT_RECORD, _loop_factory, echoes_abort, run_world
+from ._spawn import DEFAULT_RECORD, echoes_abort, run_world
+from ._worldthread import WorldThread
 
 __all__ = [
     "ContinuousRanks",
@@ -206,45 +205,37 @@ class InProcessWorld:
         self.collective_timeout = collective_timeout
         self.deadline = deadline
         self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelled = False
-        self._error: BaseException | None = None
         self._needs: _procstate.NeedsProcess | None = None
         self._engine: Any = None  # the aiocoll World, once a rank runs
 
     def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
         environ = _procstate.snapshot_environ()
-        before = set(threading.enumerate())
         start = time.monotonic()
         timed_out, busy, left, elapsed = False, {}, [], 0.0
+        wt: WorldThread[Any] = WorldThread(lambda: self._world(rank_main, environ), "auto")
         _process_state.enter()
         try:
-            helper = threading.Thread(
-                target=self._main, args=(rank_main, environ), name="aiocoll harness loop", daemon=True
-            )
-            helper.start()
+            wt.start()
             try:
-                finished = self._done.wait(self.deadline)
+                finished = wt.wait(self.deadline)
             except BaseException:  # ^C: take the ranks down, as far as threads can be
-                self._cancel()
-                self._done.wait(GRACE)
+                wt.cancel()
+                wt.wait(GRACE)
                 raise
             if not finished:
                 timed_out, elapsed = True, time.monotonic() - start
-                busy = self._busy(before)  # before cancelling: where they were when time ran out
-                self._cancel()
-                if not self._done.wait(GRACE):
-                    left = sorted(self._stacks(before))
+                busy = self._busy(wt)  # before cancelling: where they were when time ran out
+                wt.cancel()
+                if not wt.wait(GRACE):
+                    left = sorted(wt.rank_frames())
         finally:
             _process_state.exit()
             _procstate.restore_environ(environ)
         if not timed_out:
             elapsed = time.monotonic() - start
-        return WorldEnd(self._error, self._needs, elapsed, timed_out, busy, left)
+        return WorldEnd(wt.error, self._needs, elapsed, timed_out, busy, left)
 
-    def _main(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
+    async def _world(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
         def rank_fn(comm: Comm) -> None:
             self._engine = getattr(comm, "_world", None)
             _here.world, _here.rank = self, comm.rank
@@ -258,45 +249,11 @@ class InProcessWorld:
                 _procstate.unbind()
                 _here.world = None
 
-        async def main() -> None:
-            with self._lock:
-                if self._cancelled:
-                    return
-                self._task = asyncio.current_task()
-            await run_world(rank_fn, self.size, timeout=self.collective_timeout, c10d="state", record=DEFAULT_RECORD)
+        await run_world(rank_fn, self.size, timeout=self.collective_timeout, c10d="state", record=DEFAULT_RECORD)
 
-        try:
-            with asyncio.Runner(loop_factory=_loop_factory("auto")) as runner:
-                runner.run(main())
-        except BaseException as e:  # handed to the test's thread
-            self._error = e
-        finally:
-            self._done.set()
-
-    def _cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            task = self._task
-        if task is not None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: the world ended meanwhile
-                task.get_loop().call_soon_threadsafe(task.cancel)
-
-    @staticmethod
-    def _stacks(before: set[threading.Thread]) -> dict[int, list[traceback.FrameSummary]]:
-        """The stack of each rank thread of this world still alive (not in ``before``)."""
-        frames = sys._current_frames()
-        out: dict[int, list[traceback.FrameSummary]] = {}
-        for t in threading.enumerate():
-            if t in before or not t.is_alive() or not t.name.startswith("aiocoll rank "):
-                continue
-            frame = frames.get(t.ident or -1)
-            if frame is not None:
-                out[int(t.name.rsplit(" ", 1)[1])] = traceback.extract_stack(frame)
-        return out
-
-    def _busy(self, before: set[threading.Thread]) -> dict[int, str]:
+    def _busy(self, wt: WorldThread[Any]) -> dict[int, str]:
         """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""
-        stacks = self._stacks(before)
+        stacks = {r: traceback.extract_stack(f) for r, f in wt.rank_frames().items()}
         try:
             states = {r.rank: r.state for r in self._engine.statistics().ranks}
         except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
@@ -305,7 +262,7 @@ class InProcessWorld:
         return {r: "".join(traceback.format_list(_outside_aiocoll(st))) for r, st in (busy or stacks).items()}
 
     def __repr__(self) -> str:
-        return f"<InProcessWorld size={self.size} deadline={self.deadline}s done={self._done.is_set()}>"
+        return f"<InProcessWorld size={self.size} deadline={self.deadline}s>"
 
 
 _sleep = time.sleep  # the real one: time.sleep is cooperative in harness ranks

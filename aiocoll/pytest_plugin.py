@@ -41,14 +41,11 @@ size of a bare ``@pytest.mark.world``; the timeout bounds one wait in one collec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import inspect
 import os
 import re
-import sys
 import sysconfig
-import threading
 import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -63,6 +60,7 @@ from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackN
 from ._comm import Comm
 from ._errors import AiocollError
 from ._spawn import DEFAULT_RECORD, _loop_factory, spawn_async
+from ._worldthread import WorldThread
 
 __all__ = ["DEFAULT_TEST_TIMEOUT", "DEFAULT_WORLD", "comm"]
 
@@ -379,78 +377,43 @@ class _SyncWorld:
     """
 
     def __init__(self, fn: Callable[[Comm], Any], run: _WorldRun) -> None:
-        self._fn = fn
-        self._run = run
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._task: asyncio.Task[Any] | None = None
-        self._results: list[Any] = []
-        self._error: BaseException | None = None
+        self._world: WorldThread[list[Any]] = WorldThread(
+            lambda: spawn_async(fn, run.world, timeout=run.timeout, record=run.record, trace=run.trace), run.loop
+        )
+        self._size = run.world
 
     def result(self) -> list[Any]:
         __tracebackhide__ = True
-        before = set(threading.enumerate())
-        threading.Thread(target=self._main, name="aiocoll world loop", daemon=True).start()
+        wt = self._world
+        wt.start()
         try:
-            while not self._done.wait(0.5):  # a timeout, so ^C gets through on every platform
+            while not wt.wait(0.5):  # a timeout, so ^C gets through on every platform
                 pass
         except BaseException as interrupt:
             # where each rank is now: one busy outside a collective is why the others waited
-            busy = {r: tb for r, tb in self._ranks(before).items() if not _in_collective(tb)}
-            self._cancel()
-            if not self._done.wait(_GRACE):
-                stuck = self._ranks(before)
+            busy = {r: tb for r, tb in self._ranks().items() if not _in_collective(tb)}
+            wt.cancel()
+            if not wt.wait(_GRACE):
+                stuck = self._ranks()
                 it = (
                     "a thread cannot be stopped, so it was"
                     if len(stuck) == 1
                     else "threads cannot be stopped, so they were"
                 )
-                _blame(interrupt, stuck, self._run.world, f"still running ({{where}}); {it} left running")
+                _blame(interrupt, stuck, self._size, f"still running ({{where}}); {it} left running")
             else:
-                _blame(interrupt, busy, self._run.world, "running ({where}); every rank has ended since")
+                _blame(interrupt, busy, self._size, "running ({where}); every rank has ended since")
             raise
-        if self._error is not None:
-            raise self._error
-        return self._results
+        return wt.result()
 
-    def _ranks(self, before: set[threading.Thread]) -> dict[int, TracebackType]:
+    def _ranks(self) -> dict[int, TracebackType]:
         """The stack of each rank thread of this world still alive, as a traceback."""
-        frames = sys._current_frames()
         stacks: dict[int, TracebackType] = {}
-        for t in threading.enumerate():
-            if t not in before and t.is_alive() and re.fullmatch(r"aiocoll rank \d+", t.name):
-                tb = _traceback(_outward(frames.get(t.ident or -1)))
-                if tb is not None:
-                    stacks[int(t.name.rsplit(" ", 1)[1])] = tb
+        for rank, frame in self._world.rank_frames().items():
+            tb = _traceback(_outward(frame))
+            if tb is not None:
+                stacks[rank] = tb
         return stacks
-
-    def _main(self) -> None:
-        async def main() -> list[Any]:
-            with self._lock:
-                if self._cancelled:
-                    raise asyncio.CancelledError
-                self._task = asyncio.current_task()
-            return await spawn_async(
-                self._fn, self._run.world, timeout=self._run.timeout, record=self._run.record, trace=self._run.trace
-            )
-
-        try:
-            with asyncio.Runner(loop_factory=_loop_factory(self._run.loop)) as runner:
-                self._results = runner.run(main())
-        except BaseException as e:  # re-raised on the test's thread
-            self._error = e
-        finally:
-            self._done.set()
-
-    def _cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            task = self._task
-        if task is not None:
-            # RuntimeError: the loop closed meanwhile, the world has ended anyway
-            with contextlib.suppress(RuntimeError):
-                task.get_loop().call_soon_threadsafe(task.cancel)
 
 
 class _AsyncWorld:

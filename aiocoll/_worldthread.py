@@ -1,0 +1,114 @@
+"""``WorldThread``: a world run on a loop of its own, on a helper thread, that its caller can give up on.
+
+Sync ranks are threads, and threads cannot be stopped: a rank stuck outside a collective
+never returns. The pytest plugin and the process harness run their worlds here, so that
+the test's own thread waits with a deadline (or until ^C), cancels the world (which
+releases every rank waiting in a collective) and leaves behind what does not end,
+instead of hanging with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from types import FrameType
+from typing import Any, Generic, TypeVar
+
+from ._spawn import LoopChoice, _loop_factory
+
+__all__ = ["WorldThread"]
+
+T = TypeVar("T")
+
+_RANK_THREAD = "aiocoll rank "  # how spawn names its rank threads: "aiocoll rank 3"
+
+
+class WorldThread(Generic[T]):
+    """Runs ``main()`` on a new loop (``loop``: as ``spawn``'s) on a helper thread.
+
+    ``main`` makes the coroutine that runs the world (``spawn_async``, ``run_world``)::
+
+        wt = WorldThread(lambda: spawn_async(fn, 4), "auto")
+        wt.start()
+        if not wt.wait(60):
+            wt.cancel()          # ranks waiting in collectives are released
+            wt.wait(2)           # those busy elsewhere may never end
+        results = wt.result()
+    """
+
+    def __init__(self, main: Callable[[], Coroutine[Any, Any, T]], loop: LoopChoice) -> None:
+        self._main = main
+        self._loop = loop
+        self._done = threading.Event()
+        self._lock = threading.Lock()  # orders cancel() against the world's start
+        self._cancelled = False
+        self._task: asyncio.Task[T] | None = None
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._before: set[threading.Thread] = set()
+
+    def start(self) -> None:
+        # threads alive now are not the world's: its rank threads are found among the others
+        self._before = set(threading.enumerate())
+        threading.Thread(target=self._run, name="aiocoll world loop", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the world has ended, after waiting up to ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the world raised (once ended): a rank's error, aiocoll's report, or CancelledError."""
+        return self._error
+
+    def result(self) -> T:
+        """The world's result (once ended); raises what it raised."""
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]  # (set: the world ended without an error)
+
+    def cancel(self) -> None:
+        """Cancel the world (from any thread); a world not started yet will not start."""
+        with self._lock:
+            self._cancelled = True
+            task = self._task
+        if task is not None:
+            # RuntimeError: the loop closed meanwhile, the world has ended anyway
+            with contextlib.suppress(RuntimeError):
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def rank_frames(self) -> dict[int, FrameType]:
+        """The frame each of the world's rank threads still alive is running now, by rank."""
+        frames = sys._current_frames()
+        out: dict[int, FrameType] = {}
+        for t in threading.enumerate():
+            if t in self._before or not t.is_alive() or not t.name.startswith(_RANK_THREAD):
+                continue
+            rank = t.name[len(_RANK_THREAD) :]
+            frame = frames.get(t.ident or -1)
+            if rank.isdigit() and frame is not None:
+                out[int(rank)] = frame
+        return out
+
+    def _run(self) -> None:
+        async def main() -> T:
+            with self._lock:
+                if self._cancelled:
+                    raise asyncio.CancelledError
+                self._task = asyncio.current_task()
+            return await self._main()
+
+        try:
+            with asyncio.Runner(loop_factory=_loop_factory(self._loop)) as runner:
+                self._value = runner.run(main())
+        except BaseException as e:  # handed to the caller's thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def __repr__(self) -> str:
+        state = "ended" if self._done.is_set() else "cancelled" if self._cancelled else "running"
+        return f"<WorldThread {state}>"
