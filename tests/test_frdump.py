@@ -173,8 +173,21 @@ def test_no_dump_without_the_variable_and_none_when_off(tmp_path: Path, monkeypa
 
 
 def _rank_main(argv: list[str]) -> None:
-    """One gloo rank: ``python test_frdump.py RANK WORLD INIT_METHOD ON_DEMAND_DIR OUT``."""
+    """One gloo rank: ``python test_frdump.py RANK WORLD INIT_METHOD ON_DEMAND_DIR OUT``.
+
+    ON_DEMAND_DIR "hybrid": the process runs its half of a hybrid world of 4 instead.
+    """
     rank, world, init_method, on_demand, path = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
+
+    async def hybrid() -> dict[str, object]:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, init_method=init_method, timeout=timedelta(seconds=30)
+        )
+        try:
+            await aiocoll.spawn_async(_mismatch, world=4, process_group=dist.group.WORLD, timeout=10)
+        except aiocoll.CollectiveMismatchError as e:
+            return {"error": [type(e).__name__, *e.__notes__]}
+        return {}
 
     async def main() -> dict[str, object]:
         dist.init_process_group(
@@ -195,7 +208,7 @@ def _rank_main(argv: list[str]) -> None:
             out["error"] = [type(e).__name__, *getattr(e, "__notes__", [])]
         return out
 
-    results = asyncio.run(main())
+    results = asyncio.run(hybrid() if on_demand == "hybrid" else main())
     torch.save(results, path + ".tmp")
     os.replace(path + ".tmp", path)
     os._exit(0)  # the group timed out: no orderly teardown
@@ -223,6 +236,22 @@ def test_process_group_dumps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert f"collective: {lib}:" in out
     assert "COLLECTIVE_TYPE_MISMATCH" in out
     assert "Culprit rank 1" in out or "Culprit rank 0" in out
+
+
+def test_hybrid_world_dumps_each_process_s_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_process_group import run_processes
+
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "failed" / "rank_"))
+    init = (tmp_path / "store").as_uri()
+    results, _ = run_processes(__file__, [[str(r), "2", init, "hybrid"] for r in range(2)], tmp_path)
+    for p, got in enumerate(results):
+        assert got["error"][0] == "CollectiveMismatchError"
+        assert f"flight recorder dumped to {tmp_path / 'failed' / f'rank_{2 * p}'} ... (2 files)" in got["error"][-1]
+    assert sorted(p.name for p in (tmp_path / "failed").iterdir()) == ["rank_0", "rank_1", "rank_2", "rank_3"]
+    out = fr_trace(tmp_path / "failed")
+    assert "Collective sequence number: 2 has errors" in out
+    assert "Culprit rank 2" in out
+    assert "'all_reduce' does not match found collective type: 'broadcast'" in out
 
 
 def _gloo_known() -> bool:
