@@ -29,6 +29,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._faults import Fault, InjectedFault, OpInfo
+from ._frdump import dump_flight_recorder
 from ._pg import from_process_group
 from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
 from ._stats import RankStatistics, Statistics
@@ -61,6 +62,7 @@ __all__ = [
     "Work",
     "WorldAbortedError",
     "__version__",
+    "dump_flight_recorder",
     "find_failing_seed",
     "from_process_group",
     "rank_generator",

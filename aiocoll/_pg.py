@@ -27,6 +27,7 @@ import ctypes
 import pickle
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from . import _frdump, _torch
 from . import _ops as ops
-from . import _torch
 from ._comm import Comm
 from ._errors import (
     AiocollError,
@@ -47,6 +48,7 @@ from ._errors import (
     InvalidArgumentError,
     WorldAbortedError,
 )
+from ._record import Stamp
 from ._stats import RankStatistics, Statistics
 from ._work import Site, Work
 
@@ -412,6 +414,12 @@ class Issuer:
         self._dev: torch.device | None = None
         self._opts: dict[tuple[type, Any], Any] = {}
         self.set_timeout(timeout)
+        # the flight recorder: this process's ring, shared by its groups (see aiocoll._frdump)
+        self._rec = _frdump.process_recorder()
+        self._rec.groups[self.name] = (str(getattr(pg, "group_desc", "undefined")), self.global_ranks, self.rank)
+        self._index = {self.global_ranks[self.rank]: 0}  # every stamp's one column
+        self._seq = 0  # collectives issued: their sequence number, as in-process
+        self._stamps: dict[asyncio.Future[Any], Stamp] = {}
 
     def set_timeout(self, seconds: float | None) -> None:
         """Bound every op of the group to ``seconds`` (None: the group's own timeout)."""
@@ -438,7 +446,9 @@ class Issuer:
 
     # -- the order in which ops reach the group ---------------------------------------------
 
-    def issue(self, call: Any, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[Any]:
+    def issue(
+        self, call: Any, loop: asyncio.AbstractEventLoop | None = None, site: Site | None = None
+    ) -> asyncio.Future[Any]:
         """Issue ``call`` now (or after the multi-step op in flight); see the class docstring."""
         if loop is None:
             try:
@@ -452,6 +462,11 @@ class Issuer:
             self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
         fut: asyncio.Future[Any] = loop.create_future()
         self.pending[fut] = call
+        if isinstance(call, _P2P):
+            self._stamps[fut] = self._rec.start(self.name, self._index, None, call.describe(), site)
+        else:
+            self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
+            self._seq += 1
         if self._busy:
             self._queue.append((plan, steps, call, fut, loop))
         else:
@@ -504,12 +519,21 @@ class Issuer:
                 exc = e
         self.pending.pop(fut, None)
         self.completed += 1
+        stamp = self._stamps.pop(fut, None)
+        if stamp is not None:
+            stamp.done = time.perf_counter()
+            stamp.outcome = "ok" if exc is None else type(exc).__name__
         if fut.done():
             return
         if exc is None:
             fut.set_result(result)
         else:
-            fut.set_exception(self.error(call.describe(), exc))
+            err = self.error(call.describe(), exc)
+            if isinstance(err, AiocollError):  # the group failed (not a cancellation)
+                dumped = _frdump.on_failure(lambda prefix: _frdump.dump_process(prefix, self.backend))
+                if dumped is not None:
+                    err.add_note(dumped)
+            fut.set_exception(err)
             fut.exception()  # retrieved: an unawaited failed op is not logged at exit
 
     def error(self, what: str, exc: BaseException) -> BaseException:
@@ -951,7 +975,8 @@ class ProcessGroupComm(Comm):
         )
 
     def _join(self, call: ops.Call) -> PGWork:
-        return PGWork(self._iss.issue(call), call, self.rank, self._iss.name, self._site())
+        site = self._site()
+        return PGWork(self._iss.issue(call, site=site), call, self.rank, self._iss.name, site)
 
     def _group_seq(self) -> int:
         # the issuer counts the groups made on its group as it issues their calls

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Recorder", "Stamp", "format_signature", "summarize_trace"]
+__all__ = ["DEFAULT_RECORD", "ProcessRecorder", "Recorder", "Stamp", "format_signature", "summarize_trace"]
+
+DEFAULT_RECORD = 64
+"""Operations per rank the flight recorder keeps for failure reports."""
 
 
 class Stamp:
@@ -160,6 +163,39 @@ class Recorder:
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.trace(), f)
+
+
+class ProcessRecorder:
+    """This process's operations on real process groups (``from_process_group``), oldest first.
+
+    One ring for every group, as torch's own recorder keeps: an op costs a ``Stamp``, a
+    clock read and an append (the issuer stamps its end). ``count`` numbers the ops ever
+    recorded, so ``ring[i]`` is op ``count - len(ring) + i`` of the process. ``groups``
+    holds what a dump says of each group: its description, its members' global ranks
+    in group-rank order, and this process's group-rank.
+    """
+
+    __slots__ = ("count", "groups", "ring")
+
+    def __init__(self, capacity: int) -> None:
+        self.ring: deque[Stamp] = deque(maxlen=capacity)
+        self.count = 0
+        self.groups: dict[str, tuple[str, tuple[int, ...], int]] = {}
+
+    def __repr__(self) -> str:
+        return f"<ProcessRecorder groups={len(self.groups)} entries={len(self.ring)} recorded={self.count}>"
+
+    def start(
+        self, group: str, index: dict[int, int], seq: int | None, sig: Hashable, site: tuple[str, int] | None
+    ) -> Stamp:
+        """Record that this process issued an op now (``seq`` None for p2p); its issuer ends the stamp."""
+        stamp = Stamp(group, index, seq, sig, 1)
+        stamp.arrived[0] = time.perf_counter()
+        if site is not None:
+            stamp.files[0], stamp.lines[0] = site
+        self.ring.append(stamp)
+        self.count += 1
+        return stamp
 
 
 def _entry_dict(e: Entry, t0: float) -> dict[str, Any]:

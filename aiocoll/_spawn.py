@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import torch
 import torch.distributed as dist
 
-from . import _c10d, _torch
+from . import _c10d, _frdump, _torch
 from ._comm import Comm
 from ._engine import EngineWork, Phase, RankState, World, install_task_tracking, rank_var
 from ._engine_comm import EngineComm
@@ -25,15 +25,12 @@ from ._errors import InvalidArgumentError, WorldAbortedError
 from ._faults import Fault, FaultPlan
 from ._locals import RankLocals
 from ._output import prefixed_output
-from ._record import Recorder
+from ._record import DEFAULT_RECORD, Recorder
 from ._turns import SameCpu, StallWatch, Turns
 
-__all__ = ["DEFAULT_TIMEOUT", "run_world", "spawn", "spawn_async"]
+__all__ = ["DEFAULT_RECORD", "DEFAULT_TIMEOUT", "run_world", "spawn", "spawn_async"]
 
 T = TypeVar("T")
-
-DEFAULT_RECORD = 64
-"""Operations per rank the flight recorder keeps for failure reports."""
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank may wait in one collective before ``CollectiveTimeoutError``."""
@@ -419,6 +416,9 @@ async def run_world(
         exc = _report(w, failures)
         for line in detached:
             exc.add_note(f"aiocoll: {line}")
+        dumped = _frdump.on_failure(lambda prefix: _frdump.dump_world(w, prefix))
+        if dumped is not None:
+            exc.add_note(dumped)
         raise exc
     if detached:
         warnings.warn(

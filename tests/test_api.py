@@ -38,6 +38,7 @@ def test_public_names() -> None:
         "Statistics",
         "Work",
         "WorldAbortedError",
+        "dump_flight_recorder",
         "__version__",
         "find_failing_seed",
         "from_process_group",
