@@ -428,7 +428,7 @@ class Issuer:
     def set_check(self, check: bool) -> None:
         """Gate this group's collectives on cross-process checks (every member must say the same)."""
         if check and self.checker is None:
-            self.checker = Checker(self)
+            self.checker = Checker(self, when_done)
         elif not check:
             self.checker = None
 

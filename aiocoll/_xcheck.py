@@ -41,9 +41,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,25 @@ from ._errors import AiocollError, CollectiveMismatchError, WorldAbortedError
 from ._record import Recorder, Stamp
 from ._work import Site, fmt_site
 
-if TYPE_CHECKING:
-    from ._pg import Issuer
+
+class _Issuer(Protocol):
+    """What a checker needs of its group's issuer (``_pg.Issuer``)."""
+
+    pg: dist.ProcessGroup
+    rank: int
+    size: int
+    name: str
+    backend: str
+    global_ranks: tuple[int, ...]
+    timeout: timedelta | None
+
+    def error(self, what: str, exc: BaseException) -> BaseException: ...
+
+    def abort(self, reason: BaseException) -> None: ...
+
+
+# when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pg's)
+_WhenDone = Callable[[dist.Work, asyncio.AbstractEventLoop, Callable[[BaseException | None], None]], None]
 
 __all__ = ["Checker", "Presence", "fingerprint"]
 
@@ -303,8 +320,9 @@ class Checker:
     WATCH_AFTER = 0.5  # seconds a check may wait before the heartbeats are read
     HISTORY = 8
 
-    def __init__(self, iss: Issuer) -> None:
+    def __init__(self, iss: _Issuer, when_done: _WhenDone) -> None:
         self.iss = iss
+        self._when_done = when_done
         self.presence = Presence.of(iss.pg)
         made = _side_groups_made.get(iss.name, 0)
         _side_groups_made[iss.name] = made + 1
@@ -361,8 +379,6 @@ class Checker:
             self._send(call, fut, entry, loop)
 
     def _send(self, call: Any, fut: asyncio.Future[None], entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
-        from ._pg import when_done  # (a cycle: _pg makes checkers)
-
         assert self.side is not None
         size = self.iss.size
         mine = torch.tensor(fingerprint(call, self.iss.rank), dtype=torch.int64)
@@ -388,7 +404,7 @@ class Checker:
             else:
                 self._spawn(loop, self._mismatch(call, fut, entry))
 
-        when_done(work, loop, done)
+        self._when_done(work, loop, done)
 
     # -- a mismatch ---------------------------------------------------------------------------
 
