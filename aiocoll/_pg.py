@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +52,7 @@ from ._errors import (
 from ._record import Stamp
 from ._stats import RankStatistics, Statistics
 from ._work import Site, Work
+from ._xcheck import Checker
 
 __all__ = [
     "Issuer",
@@ -380,6 +382,7 @@ class _Post:
 
 _Start = Callable[[], tuple[dist.Work, Callable[[], Any]]]
 _Steps = Callable[[], Coroutine[Any, Any, Any]]
+_Queued = tuple["_Start | _Steps", bool, Any, asyncio.Future[Any], asyncio.AbstractEventLoop]
 
 
 class Issuer:
@@ -413,6 +416,10 @@ class Issuer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._dev: torch.device | None = None
         self._opts: dict[tuple[type, Any], Any] = {}
+        # cross-process checks (see _xcheck): collectives wait for their check, in call order
+        self.checker: Checker | None = None
+        self._gated: deque[tuple[asyncio.Future[None] | None, _Queued]] = deque()
+        self.aborted: BaseException | None = None  # why this group's ops now fail at once
         self.set_timeout(timeout)
         # the flight recorder: this process's ring, shared by its groups (see aiocoll._frdump)
         self._rec = _frdump.process_recorder()
@@ -426,9 +433,19 @@ class Issuer:
         self.timeout = None if seconds is None else timedelta(seconds=seconds)
         self._opts.clear()
 
+    def set_check(self, check: bool) -> None:
+        """Gate this group's collectives on cross-process checks (every member must say the same)."""
+        if check and self.checker is None:
+            self.checker = Checker(self, when_done)
+        elif not check:
+            self.checker = None
+
     @classmethod
-    def of(cls, pg: dist.ProcessGroup, timeout: float | None = None) -> Issuer:
-        """The issuer of ``pg`` (made at first use): every Comm on one group shares it, and so its order."""
+    def of(cls, pg: dist.ProcessGroup, timeout: float | None = None, check: bool | None = None) -> Issuer:
+        """The issuer of ``pg`` (made at first use): every Comm on one group shares it, and so its order.
+
+        ``check``: turn cross-process checks on or off (None: leave them as they are).
+        """
         key = id(pg)
         iss = cls._by_pg.get(key)
         if iss is None or iss.pg is not pg:
@@ -436,6 +453,8 @@ class Issuer:
             cls._by_pg[key] = iss
         elif timeout is not None:
             iss.set_timeout(timeout)
+        if check is not None:
+            iss.set_check(check)
         return iss
 
     @property
@@ -449,7 +468,11 @@ class Issuer:
     def issue(
         self, call: Any, loop: asyncio.AbstractEventLoop | None = None, site: Site | None = None
     ) -> asyncio.Future[Any]:
-        """Issue ``call`` now (or after the multi-step op in flight); see the class docstring."""
+        """Issue ``call`` now (or after the multi-step op in flight); see the class docstring.
+
+        With checks on, a collective is issued once its check passed (``site``: where it was
+        called, for the reports).
+        """
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -457,6 +480,11 @@ class Issuer:
                 raise AiocollError(
                     f"{call.name} on a process-group Comm needs a running event loop: call it from async code"
                 ) from None
+        if self.aborted is not None:
+            fut0: asyncio.Future[Any] = loop.create_future()
+            fut0.set_exception(self._aborted_error(call))
+            fut0.exception()  # retrieved: an unawaited op is not logged
+            return fut0
         plan, steps = self._plan(call)  # raises InvalidArgumentError before anything is sent
         if steps and isinstance(call, (ops.NewGroup, ops.Split)):
             self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
@@ -467,11 +495,61 @@ class Issuer:
         else:
             self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
             self._seq += 1
+        chk = self.checker
+        if chk is not None and not isinstance(call, _P2P):
+            gate, entry = chk.gate(call, site, loop)
+            chk.entries[fut] = entry
+            self._gated.append((gate, (plan, steps, call, fut, loop)))
+            gate.add_done_callback(self._release)
+        elif self._gated and self.device.type != "cpu":
+            # NCCL runs a group's ops in stream order: p2p stays behind the collectives
+            # waiting for their checks. gloo matches p2p by tag alone, so there it goes at
+            # once: holding a recv behind a check that waits for the sender's next
+            # collective would deadlock a program that works unchecked.
+            self._gated.append((None, (plan, steps, call, fut, loop)))
+        else:
+            self._submit(plan, steps, call, fut, loop)
+        return fut
+
+    def _submit(
+        self, plan: _Start | _Steps, steps: bool, call: Any, fut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
         if self._busy:
             self._queue.append((plan, steps, call, fut, loop))
         else:
             self._launch(plan, steps, call, fut, loop)
-        return fut
+
+    def _release(self, _: object = None) -> None:
+        """Issue the checked ops at the head of the line, in call order; fail those whose check failed."""
+        while self._gated:
+            gate, queued = self._gated[0]
+            if gate is not None and not gate.done():
+                return
+            self._gated.popleft()
+            exc = gate.exception() if gate is not None else None
+            if exc is not None:
+                self._finish(queued[3], queued[2], None, exc)
+            elif self.aborted is not None:
+                self._finish(queued[3], queued[2], None, self._aborted_error(queued[2]))
+            else:
+                self._submit(*queued)
+
+    def abort(self, reason: BaseException) -> None:
+        """Fail the ops waiting for their checks, and every later op, at once (a mismatch or a rank gone)."""
+        if self.aborted is None:
+            self.aborted = reason
+        self._release()
+
+    def _aborted_error(self, call: Any) -> WorldAbortedError:
+        reason = self.aborted
+        first = (str(reason).splitlines() or [type(reason).__name__])[0]
+        err = WorldAbortedError(
+            f"{call.describe()} on rank {self.rank} of group {self.name!r}: this group's Comm was aborted "
+            f"by an earlier {type(reason).__name__}: {first}",
+            rank=getattr(reason, "rank", None),
+        )
+        err.__cause__ = reason
+        return err
 
     def _launch(
         self, plan: _Start | _Steps, steps: bool, call: Any, fut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
@@ -523,18 +601,45 @@ class Issuer:
         if stamp is not None:
             stamp.done = time.perf_counter()
             stamp.outcome = "ok" if exc is None else type(exc).__name__
+        chk = self.checker
+        entry = chk.entries.pop(fut, None) if chk is not None else None
         if fut.done():
             return
         if exc is None:
+            if entry is not None:
+                entry.outcome = "ok"
             fut.set_result(result)
-        else:
-            err = self.error(call.describe(), exc)
-            if isinstance(err, AiocollError):  # the group failed (not a cancellation)
-                dumped = _frdump.on_failure(lambda prefix: _frdump.dump_process(prefix, self.backend))
-                if dumped is not None:
-                    err.add_note(dumped)
-            fut.set_exception(err)
-            fut.exception()  # retrieved: an unawaited failed op is not logged at exit
+            return
+        err = self.error(call.describe(), exc)
+        if entry is not None:
+            entry.outcome = type(err).__name__
+        if chk is not None and entry is not None and isinstance(err, WorldAbortedError) and err is not exc:
+            # the transport failed under the op: name the ranks gone before telling
+            task = fut.get_loop().create_task(self._name_gone(chk, fut, call, entry, exc, err))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._fail(fut, err)
+
+    def _fail(self, fut: asyncio.Future[Any], err: BaseException) -> None:
+        """Fail the op of ``fut`` with ``err``, dumping the flight recorder if asked (see _frdump)."""
+        if fut.done():
+            return
+        if isinstance(err, AiocollError):  # the group failed (not a cancellation)
+            dumped = _frdump.on_failure(lambda prefix: _frdump.dump_process(prefix, self.backend))
+            if dumped is not None:
+                err.add_note(dumped)
+        fut.set_exception(err)
+        fut.exception()  # retrieved: an unawaited failed op is not logged at exit
+
+    async def _name_gone(
+        self, chk: Checker, fut: asyncio.Future[Any], call: Any, entry: Any, exc: BaseException, err: BaseException
+    ) -> None:
+        named = await chk.gone_error(call.describe(), entry, exc)
+        if named is not None:
+            err = named
+            self.abort(named)
+        self._fail(fut, err)
 
     def error(self, what: str, exc: BaseException) -> BaseException:
         """An aiocoll error for a torch error of the group (chained), or ``exc`` if it is one already."""
@@ -908,8 +1013,8 @@ class ProcessGroupComm(Comm):
 
     __slots__ = ("_iss",)
 
-    def __init__(self, pg: dist.ProcessGroup, *, timeout: float | None = None) -> None:
-        iss = Issuer.of(pg, timeout)
+    def __init__(self, pg: dist.ProcessGroup, *, timeout: float | None = None, check: bool | None = None) -> None:
+        iss = Issuer.of(pg, timeout, check)
         super().__init__(iss.rank, iss.size)
         self._iss = iss
 
@@ -993,7 +1098,7 @@ class ProcessGroupComm(Comm):
             pg = await asyncio.to_thread(_create_group, iss.pg, ranks, name)
         except RuntimeError as e:
             raise iss.error(call.describe(), e) from e
-        comm = ProcessGroupComm(pg)
+        comm = ProcessGroupComm(pg, check=iss.checker is not None)
         comm._iss.timeout, comm._iss._opts = iss.timeout, {}
         return comm
 
@@ -1011,15 +1116,28 @@ def _create_group(parent: dist.ProcessGroup, ranks: list[int], name: str) -> dis
     return _torch.new_group_helper(ranks, dist.get_rank(), backend, name, timeout)
 
 
-def from_process_group(pg: dist.ProcessGroup | None = None, *, timeout: float | None = None) -> Comm:
+def from_process_group(
+    pg: dist.ProcessGroup | None = None, *, timeout: float | None = None, check: bool = True
+) -> Comm:
     """A ``Comm`` on a real torch.distributed process group (default: the world group).
 
     Same API and results as the ranks of ``aiocoll.spawn``: every collective, p2p,
     object collectives, ``new_group``/``split``. Ops are issued with ``async_op=True``
     and awaited through futures bridged into the running loop, which keeps serving
-    other tasks. A peer that dies surfaces as ``WorldAbortedError``, a timeout (the
-    group's own, or ``timeout`` seconds per op if given) as ``CollectiveTimeoutError``,
-    each with torch's error as ``__cause__``. Launch with torchrun as usual::
+    other tasks. A timeout (the group's own, or ``timeout`` seconds per op if given)
+    raises ``CollectiveTimeoutError``, with torch's error as ``__cause__``.
+
+    ``check=True`` (the default; every process must pass the same) brings in-process
+    reports to processes. Each collective is issued once every rank's call is known to
+    agree (a fingerprint all-gathered on a gloo side group): ranks that call different
+    collectives, or disagree on shapes, dtypes, roots, reduce ops or split sizes, raise
+    ``CollectiveMismatchError`` in every process within a round trip, naming each rank's
+    call and file:line, with the flight recorder table as a note. The op is never issued
+    (tensors stay untouched, no wrong result), so the group stays in step. A rank that
+    exits or dies is named in the survivors' ``WorldAbortedError``, with what each was
+    waiting in (a heartbeat in the job's store); the Comm is then aborted (its later ops
+    raise ``WorldAbortedError`` at once). ``check=False`` saves the side round
+    trip per collective (see ``benchmarks/bench_checks.py``). Launch with torchrun::
 
         # torchrun --nproc-per-node 2 train.py
         async def main():
@@ -1038,4 +1156,6 @@ def from_process_group(pg: dist.ProcessGroup | None = None, *, timeout: float | 
         raise InvalidArgumentError(f"from_process_group(): expected a ProcessGroup, got {type(pg).__name__}")
     if pg.rank() < 0:
         raise InvalidArgumentError("from_process_group(): this process is not a member of the group")
-    return ProcessGroupComm(pg, timeout=timeout)
+    if not isinstance(check, bool):
+        raise InvalidArgumentError(f"from_process_group(): argument 'check' must be a bool, got {check!r}")
+    return ProcessGroupComm(pg, timeout=timeout, check=check)

@@ -45,6 +45,7 @@ __all__ = [
     "backend_of",
     "check_c10d",
     "default_group",
+    "default_store",
     "drop_thread_caches",
     "foreach_copy_",
     "fr_accepts",
@@ -208,6 +209,12 @@ def default_group() -> dist.ProcessGroup:
     """The default (world) group of torch.distributed; it must be initialised."""
     pg: dist.ProcessGroup = _c10d._get_default_group()
     return pg
+
+
+def default_store() -> Any:  # a torch Store (no stub names it)
+    """The store of torch.distributed's default group (the job's rendezvous store)."""
+    store = _c10d._get_default_store()
+    return store
 
 
 def new_group_helper(ranks: list[int], me: int, backend: str, name: str, timeout: timedelta) -> dist.ProcessGroup:

@@ -168,6 +168,19 @@ def test_bench_process_group_quick() -> None:
     assert bridged[0][-1].endswith("x")
 
 
+def test_bench_checks_quick() -> None:
+    script = BENCH_ALLREDUCE.parent / "bench_checks.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    on = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("check on ")]
+    off = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("check off ")]
+    assert on, proc.stdout
+    assert off, proc.stdout
+    assert float(on[0][3]) > 0  # us per op, measured
+    assert float(off[0][3]) > 0
+    assert "the check costs" in proc.stdout
+
+
 BENCH_CEILINGS = BENCH_ALLREDUCE.parent / "bench_ceilings.py"
 CEILING_SYSTEMS = [
     "threaded PG",

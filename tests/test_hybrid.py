@@ -71,16 +71,25 @@ def threads(comm: aiocoll.Comm) -> list[Any]:
     return [t, got, comm.all_gather_object(comm.rank).wait()]
 
 
-async def mismatch(comm: aiocoll.Comm) -> str:
+async def mismatch(comm: aiocoll.Comm) -> list[Any]:
     t = torch.ones(2)
+    t0 = time.perf_counter()
     try:
         if comm.rank == 3:
             await comm.broadcast(t, src=0)
         else:
             await comm.all_reduce(t)
     except aiocoll.CollectiveMismatchError as e:
-        return str(e)
-    return "no error"
+        return [str(e), time.perf_counter() - t0]
+    return ["no error", 0.0]
+
+
+async def uncaught_mismatch(comm: aiocoll.Comm) -> None:
+    await comm.barrier()
+    if comm.rank == 0:
+        await comm.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX)
+    else:
+        await comm.all_reduce(torch.ones(2))
 
 
 async def failing(comm: aiocoll.Comm) -> list[Any]:
@@ -117,10 +126,11 @@ def _process_main(argv: list[str]) -> None:
     out["big"] = aiocoll.spawn(big, world=PROCS * BIG_PER_PROC, process_group=world, timeout=30)
     out["big_seconds"] = time.perf_counter() - t0
     out["threads"] = aiocoll.spawn(threads, world=4, process_group=world, timeout=30)
+    out["mismatch"] = aiocoll.spawn(mismatch, world=4, process_group=world, timeout=60)
     try:
-        out["mismatch"] = aiocoll.spawn(mismatch, world=4, process_group=world, timeout=30)
+        aiocoll.spawn(uncaught_mismatch, world=4, process_group=world, timeout=60)
     except aiocoll.CollectiveMismatchError as e:
-        out["mismatch"] = str(e)
+        out["mismatch_notes"] = getattr(e, "__notes__", [])
     try:
         out["failing"] = aiocoll.spawn(failing, world=4, process_group=world, timeout=30)
     except ValueError as e:
@@ -225,8 +235,11 @@ def test_sync_ranks_in_a_hybrid_world(results: list[dict[str, Any]]) -> None:
 
 
 def test_a_mismatch_across_processes_is_reported_in_every_process(results: list[dict[str, Any]]) -> None:
-    reports = [msg for proc in results for msg in proc["mismatch"]]
+    reports = [msg for proc in results for msg, _ in proc["mismatch"]]
     assert len(reports) == 4
+    assert all(seconds < 2.0 for proc in results for _, seconds in proc["mismatch"])  # the timeout is 60 s
+    for proc in results:  # spawn re-raises a rank's error with the flight recorder's table
+        assert any(n.startswith("aiocoll: flight recorder") and "MISMATCH" in n for n in proc["mismatch_notes"])
     for report in reports:
         assert "ranks called different collectives as call #0 of group 'world'" in report
         assert "rank 3 in process 1: broadcast(float32[2], src=0) at " in report

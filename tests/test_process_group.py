@@ -479,6 +479,7 @@ def test_timeout_and_peer_death(results: tuple[list[dict[str, object]], list[dic
     name, msg, cause, took = g0["peer_died"]  # type: ignore[misc]
     assert (name, cause) == ("WorldAbortedError", "RuntimeError")
     assert msg.startswith("all_reduce(float32[1000], op=ReduceOp.SUM) on rank 0 of group ")
+    assert "failed: rank 1 stopped responding" in msg  # named by its heartbeat (checks are on)
     assert took < 10
 
 
