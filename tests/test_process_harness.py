@@ -254,6 +254,10 @@ class NeedsProcesses(_Case):
     def test_separate_worlds(self) -> None:
         dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
 
+    def test_sparse_all_reduce(self) -> None:  # gloo reduces sparse tensors; aiocoll does not
+        self.init()
+        dist.all_reduce(torch.sparse_coo_tensor([[self.rank]], [1.0], size=(2,)))
+
     def setUp(self) -> None:
         super().setUp()
         if self._testMethodName == "test_exit_codes_checked":
@@ -535,6 +539,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_gloo_directly",
             "test_separate_worlds",
             "test_exit_codes_checked",
+            "test_sparse_all_reduce",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -543,7 +548,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 1 initialised torch.distributed as rank 0 of 1" in reasons["test_separate_worlds"]
     assert "skip_return_code_checks" in reasons["test_exit_codes_checked"]
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
-    assert len(harness.fallbacks) == 5
+    assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
+    assert len(harness.fallbacks) == 6
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
