@@ -102,13 +102,13 @@ def _process_classes(module: Any) -> list[type[unittest.TestCase]]:
     return out
 
 
-def run_child(path: str, mode: str, pattern: str) -> dict[str, Any]:
+def run_child(path: str, mode: str, pattern: str, fallback: str = "processes") -> dict[str, Any]:
     sys.path.insert(0, str(Path(path).resolve().parent))
     harness = None
     if mode == "aiocoll":
         import aiocoll.testing
 
-        harness = aiocoll.testing.replace_process_harness()
+        harness = aiocoll.testing.replace_process_harness(fallback=fallback)  # type: ignore[arg-type]
     name = Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
@@ -138,12 +138,12 @@ def run_child(path: str, mode: str, pattern: str) -> dict[str, Any]:
 # -- the parent: both harnesses, and the table ------------------------------------------------
 
 
-def run(path: str, mode: str, pattern: str, timeout: float) -> dict[str, Any]:
+def run(path: str, mode: str, pattern: str, timeout: float, fallback: str = "processes") -> dict[str, Any]:
     """One file on one harness, in a fresh interpreter."""
     fd, name = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     out = Path(name)
-    cmd = [sys.executable, __file__, "--child", mode, "-k", pattern, "--out", str(out), path]
+    cmd = [sys.executable, __file__, "--child", mode, "-k", pattern, "--fallback", fallback, "--out", str(out), path]
     print(f"{Path(path).name} on {mode}:", file=sys.stderr, flush=True)
     start = time.monotonic()
     try:
@@ -205,17 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("both", *MODES), default="both")
     parser.add_argument("-k", dest="pattern", default="", help="only test ids matching this regular expression")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per file and harness")
+    parser.add_argument(
+        "--fallback",
+        choices=("processes", "skip"),
+        default="processes",
+        help="on aiocoll, what becomes of tests that need processes of their own (run them on torch's harness,"
+        " or skip them: quicker, when the torch run gives their outcome)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        data = run_child(args.files[0], args.child, args.pattern)
+        data = run_child(args.files[0], args.child, args.pattern, args.fallback)
         Path(args.out).write_text(json.dumps(data))
         return 0
     modes = MODES if args.mode == "both" else (args.mode,)
     results = {
-        Path(f).name: {m: run(os.path.abspath(f), m, args.pattern, args.timeout) for m in modes} for f in args.files
+        Path(f).name: {m: run(os.path.abspath(f), m, args.pattern, args.timeout, args.fallback) for m in modes}
+        for f in args.files
     }
     text = report(results)
     print(text)
