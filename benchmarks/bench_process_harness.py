@@ -132,6 +132,7 @@ def run_child(path: str, mode: str, pattern: str, fallback: str = "processes") -
         "outcomes": result.outcomes,
         "seconds": result.seconds,
         "fallbacks": [] if harness is None else [list(f) for f in harness.fallbacks],
+        "fallback": fallback,
     }
 
 
@@ -168,6 +169,23 @@ def _counts(outcomes: dict[str, str]) -> str:
     return f"{n['pass']}/{n['fail']}/{n['skip']}"
 
 
+def _breakdown(name: str, torch_outcomes: dict[str, str], a: dict[str, Any]) -> str:
+    """What became on aiocoll of the tests that pass on torch's harness: in-process, in processes, failed."""
+    fell = {test: re.sub(r"^rank \d+ ", "", why) for test, why in a["fallbacks"]}
+    passed = [i for i, o in torch_outcomes.items() if o == "pass"]
+    inproc = [i for i in passed if i not in fell and a["outcomes"].get(i) == "pass"]
+    failed = [i for i in passed if i not in fell and a["outcomes"].get(i) != "pass"]
+    reasons: dict[str, int] = {}
+    for i in passed:
+        if i in fell:
+            reasons[fell[i]] = reasons.get(fell[i], 0) + 1
+    moved = sum(reasons.values())
+    where = "ran in processes" if a.get("fallback", "processes") == "processes" else "skipped, needing processes"
+    text = f"  {name}: of {len(passed)} passing on torch's harness, {len(inproc)} pass in-process, {moved} {where}"
+    text += "".join(f"\n      {n}: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    return text + f"\n    and {len(failed)} fail in-process" + "".join(f"\n      {i}" for i in failed)
+
+
 def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "tests that start processes; pass/fail/skip per harness; wall seconds of the test run (torch imported before)",
@@ -192,6 +210,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         for mode, r in by_mode.items():
             if r["exit"] not in (0, 1):
                 details.append(f"  {name} on {mode}: the run ended with {r['exit']}")
+        if t and a:
+            lines.append(_breakdown(name, t["outcomes"], a))
         if a:
             details += [f"  {test}: in processes ({why})" for test, why in a["fallbacks"]]
     if details:
