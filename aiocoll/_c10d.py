@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _torch
+from . import _procstate, _torch
 from ._engine import RankState, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
@@ -236,13 +236,34 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
         # a world's ranks take turns (or not) from its start, before any group is made
         self._hand_over = comm._threaded and comm._world.turns is not None
+        self._reported = BACKEND  # what pg.name() answers (report_backend)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
         return self._name
 
     def getBackendName(self) -> str:
-        return BACKEND
+        return BACKEND  # (C++ code, DDP's among it, maps this name to a backend type)
+
+    def name(self) -> str:
+        return self._reported
+
+    def report_backend(self, asked: Any) -> None:
+        """Name ``asked`` (the backend this group stands in for) in ``pg.name()``, as in processes.
+
+        A group asked for gloo answers ``"gloo"``. A composite ``"cpu:gloo,cuda:nccl"``
+        names no single backend: aiocoll's own name stays.
+        """
+        name = str(asked).lower()
+        if name and ":" not in name and "," not in name and name != "undefined":
+            self._reported = name
+
+    @staticmethod
+    def create_device(*args: Any, **kwargs: Any) -> Any:
+        """gloo's ``create_device``, for code that asks its backend (aiocoll's collectives use no device)."""
+        if not dist.is_gloo_available():
+            raise AiocollError("create_device: gloo is not available in this build of torch")
+        return dist.ProcessGroupGloo.create_device(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<AiocollProcessGroup {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
@@ -278,12 +299,24 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         self._check("all_reduce", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._work([self._comm.all_reduce(_u(_one("all_reduce", tensors)), op)], tensors)
+        t = _one("all_reduce", tensors)
+        rank = _procstate.bound_rank()
+        if t.is_sparse and rank is not None:  # (a rank of torch's test harness: gloo's processes can)
+            raise _procstate.NeedsProcess(rank, "reduced a sparse tensor (aiocoll has no sparse collectives)")
+        return self._work([self._comm.all_reduce(_u(t), op)], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:
         self._check("all_reduce_coalesced", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._work([self._comm.all_reduce(t, op) for t in _us(tensors)], tensors)
+        # gloo reduces one flat copy of the list: a tensor listed twice is reduced once
+        seen: set[tuple[Any, ...]] = set()
+        unique = []
+        for t in _us(tensors):
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key not in seen:
+                seen.add(key)
+                unique.append(t)
+        return self._work([self._comm.all_reduce(t, op) for t in unique], tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
         self._check("broadcast", opts)
@@ -374,12 +407,18 @@ class AiocollProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> AiocollWork:
         self._check("all_to_all_single", opts)
+        if not (output.is_contiguous() and input.is_contiguous()):
+            raise ValueError("Tensors must be contiguous")  # (gloo's and NCCL's check, and error)
         w = self._comm.all_to_all_single(_u(output), _u(input), output_split_sizes, input_split_sizes)
         return self._work([w], [output])
 
     def barrier(self, opts: Any = None) -> AiocollWork:
         self._check("barrier", opts)
         return self._work([self._comm.barrier()], [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier``: a barrier, waited for (a rank that never comes is reported by the engine)."""
+        self.barrier().wait()
 
     # point to point: blocking on the loop is caught in Work.wait()
 

@@ -328,8 +328,10 @@ class Comm(abc.ABC):
         """
         out = self._tensor("reduce_scatter", "output", output)
         ins = self._tensors("reduce_scatter", "input_list", input_list, self.world_size)
+        # input_list[i] goes to rank i, whose output may differ in shape from this rank's (gloo's uneven
+        # reduce_scatter): this rank's own must match its output; all must match across ranks (the signature)
         for i, x in enumerate(ins):
-            self._same("reduce_scatter", f"input_list[{i}]", x, "output", out)
+            self._same("reduce_scatter", f"input_list[{i}]", x, "output", out, shape=i == self.rank)
         return self._join(ops.ReduceScatter(out, ins, self._reduction("reduce_scatter", op, out.dtype)))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: object = _SUM) -> Work:

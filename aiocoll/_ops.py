@@ -592,14 +592,15 @@ class ReduceScatter(_Base):
     op: Reduction
 
     def signature(self) -> Hashable:
-        return (self.name, self.op.kind, self.output.dtype, _shape(self.output))
+        # (ranks' outputs may differ in shape, input i being rank i's: the inputs must agree)
+        return (self.name, self.op.kind, self.output.dtype, tuple(_shape(x) for x in self.inputs))
 
     def describe(self) -> str:
         return f"reduce_scatter({_fmt(self.output)}, {_fmt_list(self.inputs)}, op={self.op!r})"
 
     @property
     def nbytes(self) -> int:
-        return self.output.nbytes * len(self.inputs)
+        return sum(x.nbytes for x in self.inputs)
 
     @staticmethod
     @_no_grad

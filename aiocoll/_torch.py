@@ -664,6 +664,9 @@ class process_harness:
             world = _c10d._world
             if pg in world.pg_map:
                 world.pg_map[pg] = (asked, world.pg_map[pg][1])
+            report = getattr(pg, "report_backend", None)  # (pg.name(), as torch reads it)
+            if report is not None:
+                report(asked)
             return pg, store
 
         @functools.wraps(saved_rendezvous)

@@ -421,11 +421,12 @@ def replace_process_harness(
 
     A test that does what only a process of its own can do (``os._exit``, a signal to
     itself, ``signal.signal``, checking its processes' exit codes, forming worlds that
-    are not the test's ranks) is run in processes by torch's own harness after all
-    (``fallback="processes"``), or skipped with the reason (``fallback="skip"``);
-    ``fallbacks`` lists them. ``timeout`` bounds one wait in one collective (None: half
-    of torch's timeout for the test). Replacements nest; torch's harness is restored
-    exactly when the last one in force is restored.
+    are not the test's ranks), or what aiocoll lacks (a sparse ``all_reduce``), is run
+    in processes by torch's own harness after all (``fallback="processes"``), or
+    skipped with the reason (``fallback="skip"``); ``fallbacks`` lists them. ``timeout``
+    bounds one wait in one collective (None: half of torch's timeout for the test).
+    Replacements nest; torch's harness is restored exactly when the last one in force
+    is restored.
 
     For a whole test suite, in ``conftest.py``::
 

@@ -102,13 +102,13 @@ def _process_classes(module: Any) -> list[type[unittest.TestCase]]:
     return out
 
 
-def run_child(path: str, mode: str, pattern: str) -> dict[str, Any]:
+def run_child(path: str, mode: str, pattern: str, fallback: str = "processes") -> dict[str, Any]:
     sys.path.insert(0, str(Path(path).resolve().parent))
     harness = None
     if mode == "aiocoll":
         import aiocoll.testing
 
-        harness = aiocoll.testing.replace_process_harness()
+        harness = aiocoll.testing.replace_process_harness(fallback=fallback)  # type: ignore[arg-type]
     name = Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
@@ -132,18 +132,19 @@ def run_child(path: str, mode: str, pattern: str) -> dict[str, Any]:
         "outcomes": result.outcomes,
         "seconds": result.seconds,
         "fallbacks": [] if harness is None else [list(f) for f in harness.fallbacks],
+        "fallback": fallback,
     }
 
 
 # -- the parent: both harnesses, and the table ------------------------------------------------
 
 
-def run(path: str, mode: str, pattern: str, timeout: float) -> dict[str, Any]:
+def run(path: str, mode: str, pattern: str, timeout: float, fallback: str = "processes") -> dict[str, Any]:
     """One file on one harness, in a fresh interpreter."""
     fd, name = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     out = Path(name)
-    cmd = [sys.executable, __file__, "--child", mode, "-k", pattern, "--out", str(out), path]
+    cmd = [sys.executable, __file__, "--child", mode, "-k", pattern, "--fallback", fallback, "--out", str(out), path]
     print(f"{Path(path).name} on {mode}:", file=sys.stderr, flush=True)
     start = time.monotonic()
     try:
@@ -166,6 +167,23 @@ def run(path: str, mode: str, pattern: str, timeout: float) -> dict[str, Any]:
 def _counts(outcomes: dict[str, str]) -> str:
     n = {k: sum(1 for v in outcomes.values() if v == k) for k in ("pass", "fail", "skip")}
     return f"{n['pass']}/{n['fail']}/{n['skip']}"
+
+
+def _breakdown(name: str, torch_outcomes: dict[str, str], a: dict[str, Any]) -> str:
+    """What became on aiocoll of the tests that pass on torch's harness: in-process, in processes, failed."""
+    fell = {test: re.sub(r"^rank \d+ ", "", why) for test, why in a["fallbacks"]}
+    passed = [i for i, o in torch_outcomes.items() if o == "pass"]
+    inproc = [i for i in passed if i not in fell and a["outcomes"].get(i) == "pass"]
+    failed = [i for i in passed if i not in fell and a["outcomes"].get(i) != "pass"]
+    reasons: dict[str, int] = {}
+    for i in passed:
+        if i in fell:
+            reasons[fell[i]] = reasons.get(fell[i], 0) + 1
+    moved = sum(reasons.values())
+    where = "ran in processes" if a.get("fallback", "processes") == "processes" else "skipped, needing processes"
+    text = f"  {name}: of {len(passed)} passing on torch's harness, {len(inproc)} pass in-process, {moved} {where}"
+    text += "".join(f"\n      {n}: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    return text + f"\n    and {len(failed)} fail in-process" + "".join(f"\n      {i}" for i in failed)
 
 
 def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -192,6 +210,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         for mode, r in by_mode.items():
             if r["exit"] not in (0, 1):
                 details.append(f"  {name} on {mode}: the run ended with {r['exit']}")
+        if t and a:
+            lines.append(_breakdown(name, t["outcomes"], a))
         if a:
             details += [f"  {test}: in processes ({why})" for test, why in a["fallbacks"]]
     if details:
@@ -205,17 +225,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("both", *MODES), default="both")
     parser.add_argument("-k", dest="pattern", default="", help="only test ids matching this regular expression")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per file and harness")
+    parser.add_argument(
+        "--fallback",
+        choices=("processes", "skip"),
+        default="processes",
+        help="on aiocoll, what becomes of tests that need processes of their own (run them on torch's harness,"
+        " or skip them: quicker, when the torch run gives their outcome)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        data = run_child(args.files[0], args.child, args.pattern)
+        data = run_child(args.files[0], args.child, args.pattern, args.fallback)
         Path(args.out).write_text(json.dumps(data))
         return 0
     modes = MODES if args.mode == "both" else (args.mode,)
     results = {
-        Path(f).name: {m: run(os.path.abspath(f), m, args.pattern, args.timeout) for m in modes} for f in args.files
+        Path(f).name: {m: run(os.path.abspath(f), m, args.pattern, args.timeout, args.fallback) for m in modes}
+        for f in args.files
     }
     text = report(results)
     print(text)

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import unittest
+import warnings
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -115,6 +116,33 @@ class Basics(_Case):
     def test_leaves_its_group(self) -> None:
         self.init()  # not destroyed: the harness destroys it, and the next test makes its own
         dist.barrier()
+
+
+class GlooSemantics(_Case):
+    """What gloo does that ordinary code relies on, in-process (from test_c10d_gloo.py's init_process_group tests)."""
+
+    def test_coalesced_list_holding_a_tensor_twice(self) -> None:
+        self.init()
+        t = torch.tensor([self.rank + 1.0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # ("will be deprecated")
+            dist.all_reduce_coalesced([t, t, torch.ones(2)])  # gloo reduces a flat copy: t once
+        self.assertEqual(t, torch.tensor([10.0]))
+
+    def test_uneven_reduce_scatter(self) -> None:
+        self.init()
+        out = torch.empty(self.rank)  # rank i gets i elements
+        dist.reduce_scatter(out, [torch.arange(float(i)) + self.rank for i in range(4)])
+        self.assertEqual(out, torch.arange(float(self.rank)) * 4 + 6)
+
+    def test_backend_names_and_helpers(self) -> None:
+        self.init()
+        pg = dist.group.WORLD
+        self.assertEqual(pg.name(), "gloo")  # as in processes: the backend asked for
+        pg._get_backend(torch.device("cpu")).create_device(interface="lo")  # gloo's, asked of the backend
+        dist.monitored_barrier()
+        with pytest.raises(ValueError, match="Tensors must be contiguous"):
+            dist.all_to_all_single(torch.empty(2, 2), torch.ones(2, 2).t())
 
 
 class Seeds(_Case):
@@ -225,6 +253,10 @@ class NeedsProcesses(_Case):
 
     def test_separate_worlds(self) -> None:
         dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
+
+    def test_sparse_all_reduce(self) -> None:  # gloo reduces sparse tensors; aiocoll does not
+        self.init()
+        dist.all_reduce(torch.sparse_coo_tensor([[self.rank]], [1.0], size=(2,)))
 
     def setUp(self) -> None:
         super().setUp()
@@ -403,6 +435,13 @@ def test_continuous_test_needing_processes_is_skipped_with_the_reason() -> None:
     assert len(harness.fallbacks) == 1
 
 
+def test_gloo_semantics_in_process(harness: ProcessHarnessReplacement) -> None:
+    result = run_case(GlooSemantics)
+    assert result.testsRun == 3
+    assert result.wasSuccessful(), problems(result)
+    assert harness.fallbacks == []
+
+
 # 2. each rank has its process state
 
 
@@ -523,6 +562,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_gloo_directly",
             "test_separate_worlds",
             "test_exit_codes_checked",
+            "test_sparse_all_reduce",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -531,7 +571,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 1 initialised torch.distributed as rank 0 of 1" in reasons["test_separate_worlds"]
     assert "skip_return_code_checks" in reasons["test_exit_codes_checked"]
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
-    assert len(harness.fallbacks) == 5
+    assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
+    assert len(harness.fallbacks) == 6
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
