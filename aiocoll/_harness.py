@@ -569,21 +569,22 @@ class _RealWorkers:
         """Each worker's result of ``test_id``: the id when it passed, else what it put (or why it put nothing)."""
         for q in self.tasks:
             q.put(test_id)
-        deadline = time.monotonic() + timeout
-        return [self._result(p, q, deadline) for p, q in zip(self.processes, self.completions, strict=True)]
+        start = time.monotonic()
+        return [self._result(p, q, start, timeout) for p, q in zip(self.processes, self.completions, strict=True)]
 
     @staticmethod
-    def _result(process: Any, completions: Any, deadline: float) -> Any:
+    def _result(process: Any, completions: Any, start: float, timeout: float) -> Any:
         # as torch's newer harness reads a worker (torch 2.10 waits forever): its result, or
         # why there is none, a dead worker or the test's timeout
         while True:
+            left = start + timeout - time.monotonic()
             try:
-                return completions.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                return completions.get(timeout=min(1.0, max(0.01, left)))
             except queue.Empty:
                 if not process.is_alive() and completions.empty():
                     return RuntimeError(f"Exited with {process.exitcode}")
-                if time.monotonic() > deadline:
-                    return RuntimeError(f"Process timed out after {deadline - time.monotonic():.0f}s")
+                if left <= 0:
+                    return RuntimeError(f"Process timed out after {time.monotonic() - start:.0f}s")
 
     def stop(self, rank: int) -> None:
         self.tasks[rank].put(None)

@@ -350,6 +350,18 @@ class ContinuousSignal(DTensorContinuousTestBase):
     test_signal_handler = Continuous.test_signal_handler
 
 
+class ContinuousDies(DTensorContinuousTestBase):
+    """A continuous test that needs processes and whose worker then dies there."""
+
+    __test__ = False
+    world_size = 2
+
+    def test_worker_exits(self) -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.rank == 1:
+            os._exit(3)
+
+
 class TorchOwn(_Case):
     """Checks that torch's own harness (processes) is the one in use."""
 
@@ -364,9 +376,9 @@ class TorchOwn(_Case):
 
 
 def _failure_of(result: unittest.TestResult) -> str:
-    problems = result.errors + result.failures
-    assert len(problems) == 1, problems(result)
-    return problems[0][1]
+    found = result.errors + result.failures
+    assert len(found) == 1, problems(result)
+    return found[0][1]
 
 
 @pytest.fixture(autouse=True)
@@ -444,6 +456,13 @@ def test_continuous_test_needing_processes_is_skipped_with_the_reason() -> None:
     assert reason.endswith(": the test needs processes of its own")
     assert "installed a handler for signal" in reason
     assert len(harness.fallbacks) == 1
+
+
+def test_continuous_worker_that_dies_in_processes_fails_the_test(harness: ProcessHarnessReplacement) -> None:
+    result = run_case(ContinuousDies)
+    assert result.testsRun == 1
+    assert [t for t, _ in harness.fallbacks] == [f"{__name__}.ContinuousDies.test_worker_exits"]
+    assert "Exited with 3" in _failure_of(result)
 
 
 def test_gloo_semantics_in_process(harness: ProcessHarnessReplacement) -> None:
