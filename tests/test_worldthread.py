@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -48,6 +49,9 @@ def test_cancel_releases_waiting_ranks_and_shows_where_the_busy_one_is() -> None
     assert wt.wait(30)
     with pytest.raises((asyncio.CancelledError, aiocoll.WorldAbortedError)):
         wt.result()
+    deadline = time.monotonic() + 10  # the world has ended: its rank threads end soon after
+    while wt.rank_frames() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert wt.rank_frames() == {}
 
 
