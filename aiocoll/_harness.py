@@ -29,6 +29,7 @@ import time
 import traceback
 import types
 import unittest
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -198,7 +199,11 @@ class WorldEnd:
 
 
 class InProcessWorld:
-    """Runs ``rank_main(rank)`` on ``size`` sync ranks, on a helper thread, bounded by ``deadline`` seconds."""
+    """Runs ``rank_main(rank)`` on ``size`` sync ranks, on a helper thread that the test's thread can give up on.
+
+    ``run(rank_main)`` runs a world to its end, bounded by ``deadline`` seconds; a world
+    that outlives one test (continuous tests) is driven by ``start``, ``wait`` and ``end``.
+    """
 
     def __init__(self, size: int, collective_timeout: float | None, deadline: float) -> None:
         self.size = size
@@ -207,32 +212,64 @@ class InProcessWorld:
         self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
         self._needs: _procstate.NeedsProcess | None = None
         self._engine: Any = None  # the aiocoll World, once a rank runs
+        self._wt: WorldThread[Any] | None = None
+        self._environ: dict[str, str] = {}
+        self._started = 0.0
+        self._entered = False  # the process-wide patches are in force for this world
 
     def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
-        environ = _procstate.snapshot_environ()
-        start = time.monotonic()
-        timed_out, busy, left, elapsed = False, {}, [], 0.0
-        wt: WorldThread[Any] = WorldThread(lambda: self._world(rank_main, environ), "auto")
-        _process_state.enter()
+        self.start(rank_main)
         try:
-            wt.start()
-            try:
-                finished = wt.wait(self.deadline)
-            except BaseException:  # ^C: take the ranks down, as far as threads can be
-                wt.cancel()
-                wt.wait(GRACE)
-                raise
-            if not finished:
-                timed_out, elapsed = True, time.monotonic() - start
-                busy = self._busy(wt)  # before cancelling: where they were when time ran out
+            finished = self.wait(self.deadline)
+        except BaseException:  # ^C: take the ranks down, as far as threads can be
+            self.end()
+            raise
+        return self.end(timed_out=not finished)
+
+    def start(self, rank_main: Callable[[int], None]) -> None:
+        self._environ = _procstate.snapshot_environ()
+        self._started = time.monotonic()
+        self._wt = WorldThread(lambda: self._world(rank_main, self._environ), "auto")
+        _process_state.enter()
+        self._entered = True
+        self._wt.start()
+
+    def wait(self, seconds: float | None, until: threading.Event | None = None) -> bool:
+        """Wait up to ``seconds`` for the world's end (or for ``until``); whether either came."""
+        assert self._wt is not None
+        if until is None:
+            return self._wt.wait(seconds)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while not until.is_set():
+            if self._wt.wait(0.005):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
+
+    @property
+    def ended(self) -> bool:
+        return self._wt is not None and self._wt.wait(0)
+
+    def end(self, timed_out: bool = False) -> WorldEnd:
+        """How the world ended; one still running is cancelled first (``timed_out``: its deadline passed)."""
+        wt = self._wt
+        assert wt is not None
+        elapsed = time.monotonic() - self._started
+        busy: dict[int, str] = {}
+        left: list[int] = []
+        try:
+            if not wt.wait(0):
+                if timed_out:
+                    busy = self._busy(wt)  # before cancelling: where they were when time ran out
                 wt.cancel()
                 if not wt.wait(GRACE):
                     left = sorted(wt.rank_frames())
         finally:
-            _process_state.exit()
-            _procstate.restore_environ(environ)
-        if not timed_out:
-            elapsed = time.monotonic() - start
+            if self._entered:  # (end() may be called again: after a ^C, say)
+                self._entered = False
+                _process_state.exit()
+                _procstate.restore_environ(self._environ)
         return WorldEnd(wt.error, self._needs, elapsed, timed_out, busy, left)
 
     async def _world(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
@@ -262,7 +299,8 @@ class InProcessWorld:
         return {r: "".join(traceback.format_list(_outside_aiocoll(st))) for r, st in (busy or stacks).items()}
 
     def __repr__(self) -> str:
-        return f"<InProcessWorld size={self.size} deadline={self.deadline}s>"
+        state = "not started" if self._wt is None else "ended" if self.ended else "running"
+        return f"<InProcessWorld size={self.size} deadline={self.deadline}s {state}>"
 
 
 _sleep = time.sleep  # the real one: time.sleep is cooperative in harness ranks
@@ -462,33 +500,41 @@ def report_process_ranks(case: Any, fn: Any, end: WorldEnd, ends: list[RankEnd])
 
 
 class _Tasks:
-    """A worker's task queue, in-process: the test ids it is given, then None."""
+    """A worker's task queue in its rank thread: the test ids the main process puts, None at the class's end.
 
-    def __init__(self, items: Sequence[Any] = ()) -> None:
-        self._items = list(items)
+    A rank waiting for its next test lets the others run (``_pause``), and learns there
+    that its world was aborted, as a process would be stopped.
+    """
+
+    POLL = 0.002  # seconds between two looks, the other ranks running meanwhile
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()  # (appended by the main thread, taken by the rank's)
 
     def put(self, item: Any) -> None:
         self._items.append(item)
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
-        return self._items.pop(0)
+        while not self._items:
+            _pause(self.POLL)
+        return self._items.popleft()
 
     def empty(self) -> bool:
         return not self._items
 
     def __repr__(self) -> str:
-        return f"<_Tasks {self._items!r}>"
+        return f"<_Tasks {list(self._items)!r}>"
 
 
 class _Results:
     """A worker's completion queue, as its rank thread fills it: a failure also fails the rank."""
 
-    def __init__(self, results: list[Any], rank: int) -> None:
-        self._results = results
+    def __init__(self, owner: ContinuousRanks, rank: int) -> None:
+        self._owner = owner
         self._rank = rank
 
     def put(self, result: Any) -> None:
-        self._results[self._rank] = result
+        self._owner.post(self._rank, result)
         if isinstance(result, BaseException) and not isinstance(result, unittest.SkipTest):
             # the worker loop would go on to its next test; the world must learn now
             raise result.__cause__ or result
@@ -605,15 +651,17 @@ class _RealWorkers:
 
 
 class ContinuousRanks:
-    """``MultiProcContinuousTest``'s workers, in-process: each test runs on a world of its own.
+    """``MultiProcContinuousTest``'s workers, in-process: one world of sync ranks for a class's tests.
 
-    torch keeps W processes alive for a class's tests, each with its process group made
-    once. Here each test gets a fresh world whose ranks run the worker loop of torch
-    for that one test (``_init_pg``, the test, ``destroy_process_group``), so class-level
-    set-up runs per test, and one test's failure cannot leave the next one a broken
-    group. A test that needs processes of its own runs on torch's own workers for the
-    class, started then (``spawn``: torch's ``_spawn_processes``), or is skipped, as
-    ``settings.fallback`` says.
+    As torch keeps W processes alive for a class, each with its process group made once
+    (``_init_pg``) and its class attributes, a class's tests run one after the other on
+    one world, whose ranks run torch's worker loop, each on a class of its own
+    (``rank_class``). The main process hands them test ids and reads their results as
+    under torch's harness. A failure ends the world (torch then skips the class's
+    other tests); a test that needs processes of its own ends it too, and runs on
+    torch's own workers for the class, started then (``spawn``: torch's
+    ``_spawn_processes``), or is skipped, as ``settings.fallback`` says; the class's
+    next test gets a fresh world.
     """
 
     def __init__(
@@ -637,6 +685,11 @@ class ContinuousRanks:
         self.next_test: str | None = None
         self._test: str | None = None
         self._results: list[Any] = []
+        self._world: InProcessWorld | None = None  # the class's ranks, while they live
+        self._tasks: list[_Tasks] = []
+        self._posted = threading.Event()  # every rank has posted its result of the current test
+        self._lock = threading.Lock()
+        self._current: list[Any] = []
         self._workers: _RealWorkers | None = None  # torch's own, once a test needed them
 
     def result(self, rank: int) -> Any:
@@ -646,12 +699,27 @@ class ContinuousRanks:
             self._results = self._run(self.next_test)
         return self._results[rank]
 
+    def post(self, rank: int, result: Any) -> None:
+        """Rank ``rank``'s result of the current test (from its thread)."""
+        with self._lock:
+            if self._current[rank] is None:
+                self._current[rank] = result
+            if all(r is not None for r in self._current):
+                self._posted.set()
+
     def stop(self, rank: int) -> None:
         """The class is done: rank ``rank``'s worker may end."""
+        if self._world is not None:
+            self._tasks[rank].put(None)
         if self._workers is not None:
             self._workers.stop(rank)
 
     def join(self, rank: int, timeout: float | None) -> None:
+        world = self._world
+        if world is not None and rank == self.size - 1:  # (torch joins them in order: the last one ends it)
+            world.wait(GRACE if timeout is None else timeout)
+            world.end()
+            self._world = None
         if self._workers is not None:
             self._workers.join(rank, timeout)
 
@@ -664,36 +732,61 @@ class ContinuousRanks:
             self._workers = _RealWorkers(self.cls, self.size, self._spawn)
         return self._workers.run(test_id, test_timeout)
 
-    def _run(self, test_id: str) -> list[Any]:
+    def _start_world(self, test_timeout: float) -> InProcessWorld:
         skips = _torch.process_harness.skips()
-        results: list[Any] = [None] * self.size
         cls, size, rdvz_file = self.cls, self.size, self.rdvz_file
+        tasks = self._tasks = [_Tasks() for _ in range(size)]
 
         def rank_main(rank: int) -> None:
             try:
-                rank_class(cls)._worker_loop(rank, size, rdvz_file, _Tasks([test_id, None]), _Results(results, rank))
+                rank_class(cls)._worker_loop(rank, size, rdvz_file, tasks[rank], _Results(self, rank))
             except SystemExit as e:  # out of _init_pg (torch 2.10 lets it through)
                 code = _exit_code(e)
                 if code in skips:
-                    results[rank] = unittest.SkipTest(skips[code])
+                    self.post(rank, unittest.SkipTest(skips[code]))
                     return
-                results[rank] = _worker_error(e)
+                self.post(rank, _worker_error(e))
                 raise
             except _procstate.NeedsProcess:
                 raise
             except BaseException as e:
-                if results[rank] is None:
-                    results[rank] = _worker_error(e)
+                self.post(rank, _worker_error(e))
                 raise
 
-        test_timeout = _torch.process_harness.test_timeout(test_id)
         world = InProcessWorld(size, self.settings.collective_timeout(test_timeout), test_timeout)
-        end = world.run(rank_main)
+        world.start(rank_main)
+        return world
+
+    def _run(self, test_id: str) -> list[Any]:
+        test_timeout = _torch.process_harness.test_timeout(test_id)
+        with self._lock:
+            self._current = [None] * self.size
+            self._posted.clear()
+        world = self._world
+        if world is None:
+            world = self._world = self._start_world(test_timeout)
+        began = time.monotonic()
+        for q in self._tasks:
+            q.put(test_id)
+        try:
+            done = world.wait(test_timeout, until=self._posted)
+            failed = any(_is_failure(r) for r in self._current)
+            if done and self._posted.is_set() and not failed and not world.ended:
+                return list(self._current)  # the world lives on, for the class's next test
+            if failed:  # the world is ending: its report comes with it
+                world.wait(GRACE)
+        except BaseException:  # ^C
+            world.end()
+            self._world = None
+            raise
+        end = world.end(timed_out=not done)
+        self._world = None
+        results = list(self._current)
         if end.needs_process is not None:
             return self._in_processes(test_id, str(end.needs_process), test_timeout)
         if end.timed_out:
-            err = end.timeout_error(test_id, test_timeout, f"Process timed out after {end.elapsed}s")
-            return [err] * size
+            err = end.timeout_error(test_id, test_timeout, f"Process timed out after {time.monotonic() - began}s")
+            return [err] * self.size
         root: BaseException | None = None
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, unittest.SkipTest):
@@ -703,7 +796,7 @@ class ContinuousRanks:
                     break
         if end.error is not None and root is None:
             # not a rank's failure: aiocoll's own (a torch it cannot work with, a warning made an error)
-            return [end.error] * size
+            return [end.error] * self.size
         if root is not None and root is not end.error:
             # aiocoll's notes end the report (the cause's traceback was taken before they were added)
             notes = getattr(end.error, "__notes__", [])
@@ -717,6 +810,10 @@ class ContinuousRanks:
 
     def __repr__(self) -> str:
         return f"<ContinuousRanks {self.cls.__name__} size={self.size} test={self._test}>"
+
+
+def _is_failure(result: Any) -> bool:
+    return isinstance(result, BaseException) and not isinstance(result, unittest.SkipTest)
 
 
 def _worker_error(e: BaseException) -> RuntimeError:

@@ -350,6 +350,29 @@ class ContinuousSignal(DTensorContinuousTestBase):
     test_signal_handler = Continuous.test_signal_handler
 
 
+class ContinuousKeeps(DTensorContinuousTestBase):
+    """A class whose second test finds what the first left, as in the processes torch keeps for a class."""
+
+    __test__ = False
+    world_size = 2
+
+    @classmethod
+    def _init_pg(cls, rank: int, world_size: int, rdvz_file: str) -> None:
+        seen.setdefault("init_pg", []).append(rank)
+        super()._init_pg(rank, world_size, rdvz_file)  # type: ignore[misc]
+
+    def test_1_remember(self) -> None:
+        type(self).remembered = (self.rank, id(type(self).pg), torch.randn(2))  # type: ignore[attr-defined]
+        dist.barrier()
+
+    def test_2_recall(self) -> None:
+        rank, pg, drawn = type(self).remembered  # type: ignore[attr-defined]
+        self.assertEqual((rank, pg), (self.rank, id(type(self).pg)))
+        t = drawn.clone()
+        dist.all_reduce(t)
+        seen.setdefault("recalled", {})[self.rank] = t
+
+
 class ContinuousDies(DTensorContinuousTestBase):
     """A continuous test that needs processes and whose worker then dies there."""
 
@@ -456,6 +479,15 @@ def test_continuous_test_needing_processes_is_skipped_with_the_reason() -> None:
     assert reason.endswith(": the test needs processes of its own")
     assert "installed a handler for signal" in reason
     assert len(harness.fallbacks) == 1
+
+
+def test_continuous_ranks_live_for_their_class(harness: ProcessHarnessReplacement) -> None:
+    result = run_case(ContinuousKeeps)
+    assert result.testsRun == 2
+    assert result.wasSuccessful(), problems(result)
+    assert sorted(seen["init_pg"]) == [0, 1]  # the group is made once for the class, per rank
+    assert torch.equal(seen["recalled"][0], seen["recalled"][1])
+    assert harness.fallbacks == []
 
 
 def test_continuous_worker_that_dies_in_processes_fails_the_test(harness: ProcessHarnessReplacement) -> None:
