@@ -163,6 +163,7 @@ class RankState:
 
     __slots__ = (
         "__weakref__",
+        "activity",
         "completed",
         "error",
         "helpers",
@@ -192,6 +193,7 @@ class RankState:
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
+        self.activity: str | None = None  # for reports: what it does while not live (see idle())
         self.record: deque[Stamp] | None = None  # its flight-recorder ring, when the world records
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
@@ -234,6 +236,33 @@ class RankState:
     def leave(self) -> None:
         self._change(-1, 0)
 
+    def idle(self, activity: str) -> None:
+        """From now on (until ``resume``) the rank counts as gone for deadlock detection.
+
+        For a rank thread waiting for work the world cannot give it (a continuous test's
+        worker waiting for its next test): ranks blocked on it meanwhile are deadlocked.
+        Reports show ``activity`` as its state. Any thread may call it, and ``resume``.
+        """
+        with self._engine_lock():
+            if self.activity is None:
+                self.activity = activity
+                self._change(-1, 0)
+
+    def resume(self) -> None:
+        """The rank is live again (a no-op unless it is idle)."""
+        with self._engine_lock():
+            if self.activity is not None:
+                self.activity = None
+                self._change(1, 0)
+
+    def _engine_lock(self) -> contextlib.AbstractContextManager[Any]:
+        lock = self.world.lock
+        if lock is None:
+            # ranks not taking turns leave the engine to the loop's thread
+            assert self.world.on_loop_thread(), "idle() and resume() need ranks that take turns"
+            return contextlib.nullcontext()
+        return lock
+
     def _task_done(self, _task: object) -> None:
         self._change(-1, 0)
 
@@ -248,6 +277,8 @@ class RankState:
             return str(self.phase.value)
         if self.blocked:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
+        if self.live == 0 and self.activity is not None:
+            return self.activity
         return self.injected or "running"
 
     def snapshot(self) -> RankStatistics:

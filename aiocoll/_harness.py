@@ -503,20 +503,38 @@ class _Tasks:
     """A worker's task queue in its rank thread: the test ids the main process puts, None at the class's end.
 
     A rank waiting for its next test lets the others run (``_pause``), and learns there
-    that its world was aborted, as a process would be stopped.
+    that its world was aborted, as a process would be stopped. Meanwhile it counts as
+    gone for deadlock detection: ranks that wait for it in a collective are deadlocked,
+    as the main process hands out the next test only once every rank ended this one.
     """
 
     POLL = 0.002  # seconds between two looks, the other ranks running meanwhile
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()  # (appended by the main thread, taken by the rank's)
+        self._idle: Any = None  # the rank's RankState while it waits for a test
 
     def put(self, item: Any) -> None:
         self._items.append(item)
+        st = self._idle
+        if st is not None:
+            st.resume()  # live again from now, before its thread even wakes up
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
-        while not self._items:
-            _pause(self.POLL)
+        if not self._items:
+            st = current_rank_state()
+            if st is not None:
+                self._idle = st
+                st.idle("waiting for its next test")
+                if self._items:  # put() came between the two looks
+                    st.resume()
+            try:
+                while not self._items:
+                    _pause(self.POLL)
+            finally:
+                if st is not None:
+                    self._idle = None
+                    st.resume()
         return self._items.popleft()
 
     def empty(self) -> bool:

@@ -326,6 +326,24 @@ async def test_a_rank_that_ends_while_the_others_wait_is_a_deadlock() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_idle_rank_counts_as_gone_until_it_resumes() -> None:
+    world = make_world(3)
+    idle = world.ranks[2]
+    idle.idle("waiting for its next test")
+    idle.resume()  # work came: live again
+    idle.idle("waiting for its next test")  # twice is once
+    idle.idle("waiting for its next test")
+    w0 = issue(world, 0, Barrier())
+    world.park(w0)
+    assert not w0.done()  # rank 1 is live: it may yet arrive
+    w1 = issue(world, 1, Barrier())
+    world.park(w1)
+    assert isinstance(error(w0), DeadlockError)
+    assert "rank 2: waiting for its next test" in str(error(w0))
+    assert "waits for ranks [2]" in str(error(w0))
+
+
+@pytest.mark.asyncio
 async def test_no_deadlock_while_an_op_is_in_flight() -> None:
     world = make_world(2)
     world.liveness.in_flight += 1  # say, an op running off the loop will complete

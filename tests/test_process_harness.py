@@ -373,6 +373,17 @@ class ContinuousKeeps(DTensorContinuousTestBase):
         seen.setdefault("recalled", {})[self.rank] = t
 
 
+class ContinuousEarly(DTensorContinuousTestBase):
+    """A continuous test whose rank 1 ends it early while rank 0 waits for it in a collective."""
+
+    __test__ = False
+    world_size = 2
+
+    def test_returns_early(self) -> None:
+        if self.rank == 0:
+            dist.barrier()
+
+
 class ContinuousDies(DTensorContinuousTestBase):
     """A continuous test that needs processes and whose worker then dies there."""
 
@@ -488,6 +499,15 @@ def test_continuous_ranks_live_for_their_class(harness: ProcessHarnessReplacemen
     assert sorted(seen["init_pg"]) == [0, 1]  # the group is made once for the class, per rank
     assert torch.equal(seen["recalled"][0], seen["recalled"][1])
     assert harness.fallbacks == []
+
+
+def test_continuous_rank_that_ends_a_test_early_is_a_deadlock_at_once(harness: ProcessHarnessReplacement) -> None:
+    start = time.monotonic()
+    result = run_case(ContinuousEarly)
+    assert time.monotonic() - start < 10  # not the collective timeout (60 s here)
+    failure = _failure_of(result)
+    assert "DeadlockError" in failure
+    assert "rank 1: waiting for its next test" in failure
 
 
 def test_continuous_worker_that_dies_in_processes_fails_the_test(harness: ProcessHarnessReplacement) -> None:
