@@ -51,7 +51,9 @@ def install() -> None:
     with _install_lock:
         if _installed == 0:
             stack = contextlib.ExitStack()
-            stack.enter_context(_torch.patched_c10d(_name_suffix, _mesh_identity))
+            stack.enter_context(
+                _torch.patched_c10d(_name_suffix, _mesh_identity, lambda pg: isinstance(pg, AiocollProcessGroup))
+            )
             _patch = stack
         _installed += 1
 

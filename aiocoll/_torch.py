@@ -447,7 +447,11 @@ _saved: dict[str, Any] = {}
 
 
 @contextmanager
-def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[[], int | None]) -> Iterator[None]:
+def patched_c10d(
+    name_suffix: Callable[[], str | None],
+    mesh_identity: Callable[[], int | None],
+    is_own: Callable[[Any], bool] = lambda pg: False,
+) -> Iterator[None]:
     """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
 
     - ``distributed_c10d._world`` becomes a proxy for the state set by ``use_state`` in the
@@ -458,6 +462,9 @@ def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[
     - ``DeviceMesh`` tells meshes of different ranks apart by ``_thread_id`` only for
       torch's "threaded" backend; every mesh built in a rank gets ``mesh_identity()``.
     - ``init_process_group`` wraps ``sys.excepthook`` per rank; the original comes back.
+    - ``monitored_barrier`` on a group ``is_own`` calls the group's own: torch 2.15 first
+      asks the group for a CPU backend of its own, which a Python process group does not
+      register (it has none: it is its own backend).
     """
     from torch.distributed import device_mesh
 
@@ -478,8 +485,22 @@ def patched_c10d(name_suffix: Callable[[], str | None], mesh_identity: Callable[
         if ident is not None:
             self._thread_id = ident
 
+    saved_barrier = _c10d.monitored_barrier
+
+    @functools.wraps(saved_barrier)
+    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        pg = group if group is not None else _c10d._get_default_group() if _c10d.is_initialized() else None
+        if pg is not None and is_own(pg):
+            return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+        return saved_barrier(group, timeout, wait_all_ranks)
+
     with contextlib.ExitStack() as undo:  # each step undone, in reverse, even if a later one fails
         undo.callback(setattr, sys, "excepthook", saved_hook)
+        modules: tuple[Any, ...] = (_c10d, dist)
+        for module in modules:
+            if getattr(module, "monitored_barrier", None) is saved_barrier:
+                module.monitored_barrier = monitored_barrier
+                undo.callback(setattr, module, "monitored_barrier", saved_barrier)
         _c10d._world = _StateProxy(saved_world)
         undo.callback(setattr, _c10d, "_world", saved_world)
         _C._set_thread_isolation_mode(True)

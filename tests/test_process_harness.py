@@ -10,7 +10,6 @@ the failing ones can be checked too.
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import signal
@@ -45,9 +44,6 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 import aiocoll
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll.testing import ProcessHarnessReplacement, replace_process_harness
-
-# torch's dist.monitored_barrier asks the group for a CPU backend of its own (2.15)
-_MONITORED_BARRIER_WANTS_DEVICE_BACKENDS = "CPU-capable backend" in inspect.getsource(dist.monitored_barrier)
 
 # ranks record here what the pytest tests then check (one process: they can)
 seen: dict[str, Any] = {}
@@ -144,14 +140,8 @@ class GlooSemantics(_Case):
         pg = dist.group.WORLD
         self.assertEqual(pg.name(), "gloo")  # as in processes: the backend asked for
         pg._get_backend(torch.device("cpu")).create_device(interface="lo")  # gloo's, asked of the backend
-        if _MONITORED_BARRIER_WANTS_DEVICE_BACKENDS:
-            # torch 2.15 refuses a group with no per-device backend, as aiocoll's (and the
-            # threaded PG's): a known limit (README); the group's own barrier still works
-            with pytest.raises(ValueError, match="CPU-capable backend"):
-                dist.monitored_barrier()
-            pg.monitored_barrier()
-        else:
-            dist.monitored_barrier()
+        dist.monitored_barrier()  # (torch 2.15 asks the group for a CPU backend of its own first)
+        dist.monitored_barrier(dist.new_group([0, 1, 2, 3]), wait_all_ranks=True)
         with pytest.raises(ValueError, match="Tensors must be contiguous"):
             dist.all_to_all_single(torch.empty(2, 2), torch.ones(2, 2).t())
 
