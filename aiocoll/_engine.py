@@ -757,9 +757,6 @@ class World:
         st.waiting.append(work)
         st.parked_one()
 
-    def unpark(self, work: EngineWork) -> None:
-        work._unpark()
-
     # -- fault injection ---------------------------------------------------------------
 
     def inject(self, fault: Fault, info: OpInfo, work: EngineWork) -> EngineWork:
