@@ -350,7 +350,11 @@ def _rank_main(argv: list[str]) -> None:
 
 
 def _loopback_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the processes import the aiocoll under test, not whichever one the venv has installed
+    # (an editable install of another checkout)
+    root = str(Path(aiocoll.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     for _, name in socket.if_nameindex():
         if name in ("lo", "lo0"):
             env.setdefault("GLOO_SOCKET_IFNAME", name)
