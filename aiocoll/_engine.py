@@ -894,14 +894,17 @@ class World:
         e.__cause__ = self.aborted.__cause__
         return e
 
-    def abort(self, rank: int | None, cause: BaseException) -> None:
+    def abort(self, rank: int | None, cause: BaseException, message: str | None = None) -> None:
         """Release every waiting rank with an error and cancel the ranks still running.
 
-        ``rank`` is the rank whose failure aborts the world, if a rank's failure does.
+        ``rank`` is the rank whose failure aborts the world, if a rank's failure does;
+        ``message`` the ranks' error message, if not the default one built from them.
         """
         if self.aborted is not None:
             return
-        if rank is not None:
+        if message is not None:
+            msg = message
+        elif rank is not None:
             msg = f"rank {rank} failed with {type(cause).__name__}: {cause}"
         else:
             msg = f"the world was aborted by {type(cause).__name__}: {_first_line(cause)}"

@@ -12,6 +12,13 @@ is for tests and simulations of large worlds, not a fast data path.
 The bridge talks to torch only through the process group object (an all-gather into one
 tensor, ``_pg.all_gather_bytes``), on a task of its own in a context with no rank in it, so
 neither aiocoll's per-rank c10d state nor its task tracking sees it.
+
+A process that exits or dies is named: every process of a hybrid world beats in the job's
+store (``_presence``). When an exchange or a p2p op with other processes fails in the
+transport, or has waited ``WATCH_AFTER`` seconds, the heartbeats of the processes it waits
+for are read off the loop; if one left or stopped beating, the world is aborted with a
+``WorldAbortedError`` naming the process and its ranks, and saying what each of this
+process's ranks was waiting in.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextvars
 import io
 import itertools
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +39,7 @@ from . import _ops as ops
 from ._engine import EngineWork, Group, Rendezvous, World, mismatch_message
 from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
 from ._pg import Issuer, _create_group, all_gather_bytes
+from ._presence import Presence, StoreUnreachable
 from ._work import Site, fmt_site
 
 __all__ = ["HybridWorld"]
@@ -49,6 +58,11 @@ def _dumps(obj: object) -> bytes:
     return buf.getvalue()
 
 
+def _doing(status: str) -> str:
+    """A rank's ``RankState.status()`` as what it was doing: "was running", "had returned"."""
+    return f"was {status}" if status == "running" or status.startswith("blocked") else f"had {status}"
+
+
 class _Notice(WorldAbortedError):
     """Another process of the hybrid world aborted (its notice came in an exchange)."""
 
@@ -58,6 +72,8 @@ class HybridWorld:
 
     Process ``p`` (its rank in ``pg``) runs global ranks ``p*K .. p*K+K-1``.
     """
+
+    WATCH_AFTER = 0.5  # seconds an op with other processes may wait before their heartbeats are read
 
     def __init__(self, pg: dist.ProcessGroup, size: int, timeout: float | None) -> None:
         self.pg = pg
@@ -80,6 +96,15 @@ class HybridWorld:
         self._made: defaultdict[tuple[int, ...], deque[dist.ProcessGroup]] = defaultdict(deque)
         # a context with no rank in it, for the bridges' tasks
         self.context = contextvars.Context()
+        # beating from now on, so that a peer can tell this process from a dead one
+        # before any collective; the global rank of each process, for the heartbeats
+        self.presence = Presence.of(pg)
+        self.pg_ranks: list[int] = dist.get_process_group_ranks(pg)
+        # ops with other processes that have waited WATCH_AFTER seconds: the processes each waits for
+        self._slow: dict[asyncio.Future[Any], tuple[int, ...]] = {}
+        self._watch: asyncio.Task[None] | None = None
+        self.looking: set[asyncio.Task[None]] = set()  # looks for a p2p peer gone (held: tasks are weak)
+        self.gone_error: WorldAbortedError | None = None  # the error naming the processes gone
 
     def proc_of(self, rank: int) -> int:
         return rank // self.per_proc
@@ -111,12 +136,109 @@ class HybridWorld:
         """
         if self.bridge is None or isinstance(cause, _Notice):
             return
+        if cause is self.gone_error:
+            # each survivor finds the processes gone itself; a notice on a group with a
+            # dead (or stopped) member would fail, or keep spawn waiting for it to be taken
+            return
         self.farewell = self.bridge.notify(message)
 
     async def say_goodbye(self, grace: float) -> None:
         """Give the abort notice up to ``grace`` seconds to be taken (the others may be elsewhere)."""
         if self.farewell is not None:
             await asyncio.wait([self.farewell], timeout=grace)
+
+    # -- processes gone -------------------------------------------------------------------
+
+    def ranks_of(self, proc: int) -> range:
+        return range(proc * self.per_proc, (proc + 1) * self.per_proc)
+
+    def watch(self, op: asyncio.Future[Any], procs: Sequence[int]) -> None:
+        """Read the heartbeats of ``procs`` once ``op`` (an exchange or a p2p op with them) has waited a while."""
+        others = tuple(p for p in procs if p != self.proc)
+        if others and not op.done():
+            op.get_loop().call_later(self.WATCH_AFTER, self._slow_op, op, others)
+
+    def _slow_op(self, op: asyncio.Future[Any], procs: tuple[int, ...]) -> None:
+        if op.done() or self.world is None or self.world.aborted is not None:
+            return
+        self._slow[op] = procs
+        op.add_done_callback(self._slow_done)
+        if self._watch is None:
+            self._watch = self.context.run(op.get_loop().create_task, self._watching())
+
+    def _slow_done(self, op: asyncio.Future[Any]) -> None:
+        self._slow.pop(op, None)
+
+    async def _watching(self) -> None:
+        """While ops wait for other processes, look for those processes gone (each look takes 0.2-1 s)."""
+        try:
+            loop = asyncio.get_running_loop()
+            while self._slow and self.world is not None and self.world.aborted is None:
+                procs = sorted({p for ps in self._slow.values() for p in ps})
+                began = loop.time()
+                if await self.name_gone(procs, None):
+                    return
+                # a look ends at once when the peers have not beaten yet (not started): pace them
+                await asyncio.sleep(max(0.0, Presence.INTERVAL - (loop.time() - began)))
+        finally:
+            self._watch = None
+
+    async def name_gone(self, procs: Sequence[int], cause: BaseException | None) -> WorldAbortedError | None:
+        """If some of ``procs`` left or stopped beating, abort the world naming them and return its error.
+
+        ``cause``: the transport's error that prompted the look, if any. Blocks a thread up
+        to ``Presence.STALE`` seconds. ``e.rank`` is the first world rank of the first
+        process gone (None when the store itself is gone).
+        """
+        others = [p for p in procs if p != self.proc]
+        try:
+            left, silent = await asyncio.to_thread(self.presence.gone, [self.pg_ranks[p] for p in others])
+        except StoreUnreachable as e:
+            who = f"{e}: the process that hosts it (the job's rank 0 under env:// or tcp://) is gone"
+            rank = None
+        else:
+            gone = [self.pg_ranks.index(g) for g in left or silent]
+            if not gone:
+                return None
+            how = "exited" if left else f"stopped responding (no heartbeat for {Presence.STALE:g}s)"
+            names = ", ".join(self._name(p) for p in gone)
+            who = f"{names} of the hybrid world {how}"
+            rank = self.ranks_of(gone[0]).start
+        return self._abort_gone(who, rank, cause)
+
+    def _name(self, proc: int) -> str:
+        ranks = self.ranks_of(proc)
+        listed = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks.start} to {ranks.stop - 1}"
+        glob = f"global rank {self.pg_ranks[proc]}, " if self.pg_ranks[proc] != proc else ""
+        return f"process {proc} ({glob}rank{'s' if len(ranks) > 1 else ''} {listed})"
+
+    def _abort_gone(self, who: str, rank: int | None, cause: BaseException | None) -> WorldAbortedError | None:
+        """Release each local rank's waits with an error saying ``who`` is gone and what it waited in; abort."""
+        world = self.world
+        if world is None or world.aborted is not None:
+            return self.gone_error
+        states = []
+        for st in (world.ranks[r] for r in self.local):
+            waits = list(st.waiting)
+            if not waits:
+                states.append(f"rank {st.rank} {_doing(st.status())}")
+                continue
+            for w in waits:
+                seq = f"call #{w._seq} of the group, " if w._seq is not None else ""
+                e = WorldAbortedError(
+                    f"{w._call.describe()} on rank {st.rank} of group {w._group.name!r} failed: {who}; "
+                    f"rank {st.rank} was waiting in it ({seq}at {fmt_site(w._site)})",
+                    rank=rank,
+                )
+                e.__cause__ = cause
+                w._resolve(exc=e)
+            what = ", ".join(f"{w._call.describe()} {w._where} at {fmt_site(w._site)}" for w in waits)
+            states.append(f"rank {st.rank} was waiting in {what}")
+        err = self.gone_error = WorldAbortedError(f"{who}; {'; '.join(states)}", rank=rank)
+        err.__cause__ = cause
+        # the ranks not waiting (running, or waiting in a local op later) get this message
+        world.abort(rank, err, message=str(err))
+        return err
 
     def close(self) -> None:
         """Let go of the process groups (the world has ended).
@@ -134,6 +256,10 @@ class HybridWorld:
             self.world.hybrid = None
         self.bridge = self.world = self.farewell = None
         self._made.clear()
+        self._slow.clear()
+        if self._watch is not None:
+            self._watch.cancel()  # (its look at the heartbeats ends within Presence.STALE)
+            self._watch = None
 
     def __repr__(self) -> str:
         return f"<HybridWorld process {self.proc}/{self.procs}, ranks {self.local.start}..{self.local.stop - 1}>"
@@ -197,10 +323,18 @@ class PGBridge:
             raise InvalidArgumentError(
                 f"{rdv.calls[mine[0][0]].name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
             ) from e
+        waiting: asyncio.Future[None] = self.group.world.loop.create_future()  # done when the exchange is
+        self.hybrid.watch(waiting, self.procs)
         try:
             blobs = await all_gather_bytes(self.pg, payload, timeout=self.issuer.timeout)
         except RuntimeError as e:
+            # a peer's socket closed, or the timeout: name the processes gone, if any
+            named = await self.hybrid.name_gone(self.procs, e)
+            if named is not None:
+                raise named from e
             raise self.issuer.error(f"{rdv.calls[mine[0][0]].name} {rdv.where}", e) from e
+        finally:
+            waiting.set_result(None)
         calls: list[Any] = list(rdv.calls)
         sites: list[Site | None] = [None] * self.group.size
         for i, blob in enumerate(blobs):
@@ -256,13 +390,24 @@ class PGBridge:
         to = self.procs.index(proc)
         wire = ops.Send(call.tensor, to, tag) if isinstance(call, ops.Send) else ops.Recv(call.tensor, to, tag)
         issued = hy.context.run(self.issuer.issue, wire, loop)
+        hy.watch(issued, [proc])
         out: asyncio.Future[Any] = loop.create_future()
 
+        async def name_gone(exc: BaseException) -> None:
+            named = await hy.name_gone([proc], exc)
+            if not out.done():
+                out.set_exception(named or exc)
+
         def done(f: asyncio.Future[Any]) -> None:
+            exc = None if f.cancelled() else f.exception()
             if f.cancelled():
                 out.cancel()
-            elif f.exception() is not None:
-                out.set_exception(f.exception())  # type: ignore[arg-type]
+            elif isinstance(exc, RuntimeError):  # the transport failed: is the peer gone?
+                task = hy.context.run(loop.create_task, name_gone(exc))
+                hy.looking.add(task)
+                task.add_done_callback(hy.looking.discard)
+            elif exc is not None:
+                out.set_exception(exc)
             else:
                 out.set_result(None if isinstance(call, ops.Send) else peer)
 

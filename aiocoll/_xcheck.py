@@ -18,8 +18,8 @@ On a mismatch the ranks swap their calls (with tensors as meta tensors), call si
 recent history through the store, and every process raises the same
 ``CollectiveMismatchError`` as in-process, with the flight recorder's table.
 
-``Presence`` (one per process) keeps a heartbeat counter of this process in the default
-group's store, from a daemon thread, and marks the process as left at exit. When the
+``Presence`` (one per process, see ``_presence``) keeps a heartbeat counter of this process
+in the default group's store, from a daemon thread, and marks the process as left at exit. When the
 transport fails (a peer's socket closed) or a check has waited ``WATCH_AFTER`` seconds,
 the survivors read the counters: ranks marked left, or whose counter stood still for
 ``STALE`` seconds, are named in the ``WorldAbortedError``.
@@ -32,14 +32,9 @@ signature to agree on; a gloo send waits for its recv).
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import dataclasses
 import hashlib
 import io
-import os
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
@@ -51,7 +46,8 @@ import torch.distributed as dist
 from . import _ops as ops
 from . import _torch
 from ._engine import mismatch_message
-from ._errors import AiocollError, CollectiveMismatchError, WorldAbortedError
+from ._errors import CollectiveMismatchError, WorldAbortedError
+from ._presence import Presence, StoreUnreachable
 from ._record import Recorder, Stamp
 from ._work import Site, fmt_site
 
@@ -75,7 +71,7 @@ class _Issuer(Protocol):
 # when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pg's)
 _WhenDone = Callable[[dist.Work, asyncio.AbstractEventLoop, Callable[[BaseException | None], None]], None]
 
-__all__ = ["Checker", "Presence", "fingerprint"]
+__all__ = ["Checker", "fingerprint"]
 
 _MASK = (1 << 64) - 1
 FP_LEN = 3  # signature hash, sum of what each rank sends, sum of what each rank expects
@@ -193,102 +189,6 @@ def _dumps(obj: object) -> bytes:
 
 def _loads(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=False)
-
-
-# -- presence: who is still there ---------------------------------------------------------------
-
-
-class StoreUnreachable(AiocollError, RuntimeError):
-    """The store the heartbeats live in cannot be reached (the process that hosts it is gone)."""
-
-
-class Presence:
-    """This process's heartbeat in the default group's store, and a reader of the others'.
-
-    Keys ``aiocoll/<restart>/beat/<global rank>`` (a counter bumped every ``INTERVAL``
-    seconds by a daemon thread) and ``.../left/<global rank>`` (set at interpreter exit).
-    ``store.add(key, 0)`` reads a counter without blocking, even before it exists; every
-    store call runs off the event loop. One per default group, made by ``of()``.
-    """
-
-    INTERVAL = 0.2
-    STALE = 1.0  # a counter that stood still this long belongs to a process that is gone
-
-    _current: Presence | None = None
-    _lock = threading.Lock()
-
-    def __init__(self, store: Any, rank: int, pg: dist.ProcessGroup) -> None:
-        self.store = store
-        self.rank = rank
-        self._pg_id = id(pg)
-        self.prefix = f"aiocoll/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self._stop = threading.Event()
-        self.error: BaseException | None = None  # the store failed under the beating thread
-        self.store.add(self._key("beat", rank), 1)  # alive from now on, before any peer looks
-        self._thread = threading.Thread(target=self._beat, name="aiocoll-heartbeat", daemon=True)
-        self._thread.start()
-        atexit.register(self.leave)
-
-    @classmethod
-    def of(cls, pg: dist.ProcessGroup) -> Presence:
-        """The presence of this process in the job of the default group (started at first use)."""
-        default = _torch.default_group()
-        with cls._lock:
-            cur = cls._current
-            if cur is None or cur._pg_id != id(default):
-                if cur is not None:
-                    cur.stop()
-                cur = cls._current = cls(_torch.default_store(), dist.get_rank(), default)
-            return cur
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}{kind}/{rank}"
-
-    def _beat(self) -> None:
-        key = self._key("beat", self.rank)
-        while not self._stop.wait(self.INTERVAL):
-            try:
-                self.store.add(key, 1)
-            except Exception as e:  # the store's host is gone: nothing left to tell
-                self.error = e
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        atexit.unregister(self.leave)
-
-    def leave(self) -> None:
-        """Say that this process leaves (at exit): the others name it at once."""
-        self._stop.set()
-        self._thread.join(1.0)
-        with contextlib.suppress(Exception):
-            self.store.add(self._key("left", self.rank), 1)
-
-    def _read(self, kind: str, rank: int) -> int:
-        try:
-            return int(self.store.add(self._key(kind, rank), 0))
-        except Exception as e:
-            raise StoreUnreachable(f"the store is unreachable ({str(e).splitlines()[0] if str(e) else e!r})") from e
-
-    def gone(self, ranks: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(left, silent): of global ``ranks``, those that left, else those whose heartbeat stopped.
-
-        Blocks up to ``STALE`` seconds (run it in a thread). Ranks that never beat (no
-        checked Comm there) are never called silent.
-        """
-        left = [r for r in ranks if self._read("left", r)]
-        if left:
-            return left, []
-        seen = {r: self._read("beat", r) for r in ranks}
-        still = [r for r in ranks if seen[r] > 0]
-        deadline = time.monotonic() + self.STALE
-        while still and time.monotonic() < deadline:
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-            left = [r for r in still if self._read("left", r)]
-            if left:
-                return left, []
-            still = [r for r in still if self._read("beat", r) == seen[r]]
-        return [], still
 
 
 # -- the checker -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -350,7 +350,11 @@ def _rank_main(argv: list[str]) -> None:
 
 
 def _loopback_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the processes import the aiocoll under test, not whichever one the venv has installed
+    # (an editable install of another checkout)
+    root = str(Path(aiocoll.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     for _, name in socket.if_nameindex():
         if name in ("lo", "lo0"):
             env.setdefault("GLOO_SOCKET_IFNAME", name)
@@ -358,13 +362,18 @@ def _loopback_env() -> dict[str, str]:
 
 
 def run_processes(
-    script: str, args: list[list[str]], tmp: Path, meanwhile: Callable[[], Any] = lambda: None
+    script: str,
+    args: list[list[str]],
+    tmp: Path,
+    meanwhile: Callable[[], Any] = lambda: None,
+    survivors: Collection[int] | None = None,
 ) -> tuple[list[Any], Any]:
     """Run ``python script *args[i]`` for every i on loopback, each saving to ``tmp/proc{i}.pt``.
 
     The last argument of each command is that path. Calls ``meanwhile()`` while they run;
     returns what each process saved and what ``meanwhile`` returned. Fails the test, with
-    the process's output, if one fails.
+    the process's output, if one fails. ``survivors``: the processes expected to end well
+    (default: all); the others die on purpose, and their entry is None.
     """
     procs = []
     for i, a in enumerate(args):
@@ -382,11 +391,13 @@ def run_processes(
                 p.kill()
                 p.wait()
             err.close()
-    failed = [i for i, (p, _) in enumerate(procs) if p.returncode != 0 or not (tmp / f"proc{i}.pt").exists()]
+    alive = range(len(args)) if survivors is None else survivors
+    failed = [i for i in alive if procs[i][0].returncode != 0 or not (tmp / f"proc{i}.pt").exists()]
     if failed:
         i = failed[0]
         pytest.fail(f"process {i} failed:\n{(tmp / f'proc{i}.err').read_text()[-4000:]}")
-    return [torch.load(tmp / f"proc{i}.pt", weights_only=False) for i in range(len(args))], other
+    saved = [torch.load(tmp / f"proc{i}.pt", weights_only=False) if i in alive else None for i in range(len(args))]
+    return saved, other
 
 
 @pytest.fixture(scope="module")
