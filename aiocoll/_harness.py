@@ -364,6 +364,10 @@ def _maps(backend: Any) -> bool:
 def group_backend(backend: Any, group_rank: int, ranks: list[int]) -> str | None:
     """For ``_torch.process_harness.patched_init``: aiocoll for the real backends, in harness ranks."""
     world = _here.world
+    if world is not None and str(backend).lower() == BACKEND:
+        # only code that lists the registered backends asks for aiocoll's by name here;
+        # in a process of its own (torch's harness), aiocoll's backend is not among them
+        raise _procstate.NeedsProcess(_here.rank, f"asked for aiocoll's own backend {BACKEND!r} by name")
     if world is None or not _maps(backend):
         return None
     if not ranks and group_rank != _here.rank:  # the default group

@@ -252,6 +252,9 @@ class NeedsProcesses(_Case):
     def test_gloo_directly(self) -> None:
         dist.ProcessGroupGloo(dist.FileStore(self.file_name, 2), self.rank, 2)
 
+    def test_backend_by_name(self) -> None:  # (as a test that lists the registered backends does)
+        dist.init_process_group("aiocoll", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+
     def test_separate_worlds(self) -> None:
         dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
 
@@ -635,6 +638,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_separate_worlds",
             "test_exit_codes_checked",
             "test_sparse_all_reduce",
+            "test_backend_by_name",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -644,7 +648,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "skip_return_code_checks" in reasons["test_exit_codes_checked"]
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
-    assert len(harness.fallbacks) == 6
+    assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
+    assert len(harness.fallbacks) == 7
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
