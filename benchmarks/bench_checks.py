@@ -36,9 +36,9 @@ import torch.distributed as dist
 import aiocoll
 
 
-def _rank_main(rank: int, world: int, init: str, iters: int, rounds: int) -> None:
+def _rank_main(rank: int, world: int, init: str, iters: int, rounds: int, numel: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init, timeout=timedelta(seconds=60))
-    t = torch.ones(1)
+    t = torch.ones(numel)
     other = dist.new_group(list(range(world)))
     off = aiocoll.from_process_group(check=False)
     on = aiocoll.from_process_group(other, check=True)
@@ -56,7 +56,7 @@ def _rank_main(rank: int, world: int, init: str, iters: int, rounds: int) -> Non
         return (time.perf_counter() - t0) / iters * 1e6
 
     async def in_flight(comm: aiocoll.Comm, depth: int = 8) -> float:
-        ts = [torch.ones(1) for _ in range(depth)]
+        ts = [torch.ones(numel) for _ in range(depth)]
         t0 = time.perf_counter()
         for _ in range(iters // depth):
             works = [comm.all_reduce(x) for x in ts]
@@ -85,7 +85,7 @@ def _rank_main(rank: int, world: int, init: str, iters: int, rounds: int) -> Non
     dist.barrier()
     if rank == 0:
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        print(f"gloo, {world} processes on 127.0.0.1, 1-element float32 all_reduce, median of {rounds} rounds")
+        print(f"gloo, {world} processes on 127.0.0.1, {numel}-element float32 all_reduce, median of {rounds} rounds")
         print(f"{'path':>24} {'iters':>7} {'us per op':>10} {'vs blocking':>12} {'vs check off':>13}")
         for name, us in med.items():
             base = med["check off, 8 in flight"] if "in flight" in name else med["check off"]
@@ -103,13 +103,14 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2, help="gloo processes")
     p.add_argument("--iters", type=int, default=1000, help="all_reduces per round and path")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians are printed")
+    p.add_argument("--numel", type=int, default=1, help="elements of the float32 tensor all-reduced")
     p.add_argument("--quick", action="store_true", help="a smoke run: 16 iterations, 2 rounds")
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
     args = p.parse_args()
     iters, rounds = (16, 2) if args.quick else (args.iters, args.rounds)
     if args.rank is not None:
-        _rank_main(args.rank, args.world, args.init, iters, rounds)
+        _rank_main(args.rank, args.world, args.init, iters, rounds, args.numel)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for _, name in socket.if_nameindex():
@@ -119,6 +120,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init = (Path(tmp) / "store").as_uri()
         cmd = [sys.executable, __file__, "--world", str(args.world), "--iters", str(iters), "--rounds", str(rounds)]
+        cmd += ["--numel", str(args.numel)]
         procs = [subprocess.Popen([*cmd, "--init", init, "--rank", str(r)], env=env) for r in range(args.world)]
         codes = [proc.wait(timeout=600) for proc in procs]
     if any(codes):
