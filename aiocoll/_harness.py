@@ -785,6 +785,9 @@ class ContinuousRanks:
             self._current = [None] * self.size
             self._posted.clear()
         world = self._world
+        if world is not None and world.ended:  # (its ranks ended between two tests: start afresh)
+            world.end()
+            world = None
         if world is None:
             world = self._world = self._start_world(test_timeout)
         began = time.monotonic()
