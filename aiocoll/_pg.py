@@ -428,6 +428,11 @@ class Issuer:
         self._seq = 0  # collectives issued: their sequence number, as in-process
         self._stamps: dict[asyncio.Future[Any], Stamp] = {}
 
+    def recent(self, n: int) -> list[Stamp]:
+        """The flight-recorder stamps of this group's last ``n`` collectives, oldest first (for the checks' reports)."""
+        mine = [st for st in self._rec.ring if st.group == self.name and st.seq is not None]
+        return mine[-n:]
+
     def set_timeout(self, seconds: float | None) -> None:
         """Bound every op of the group to ``seconds`` (None: the group's own timeout)."""
         self.timeout = None if seconds is None else timedelta(seconds=seconds)
@@ -491,14 +496,13 @@ class Issuer:
         fut: asyncio.Future[Any] = loop.create_future()
         self.pending[fut] = call
         if isinstance(call, _P2P):
-            self._stamps[fut] = self._rec.start(self.name, self._index, None, call.describe(), site)
+            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, None, call.describe(), site)
         else:
-            self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
+            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
             self._seq += 1
         chk = self.checker
         if chk is not None and not isinstance(call, _P2P):
-            gate, entry = chk.gate(call, site, loop)
-            chk.entries[fut] = entry
+            gate = chk.gate(call, stamp, loop)
             self._gated.append((gate, (plan, steps, call, fut, loop)))
             gate.add_done_callback(self._release)
         elif self._gated and self.device.type != "cpu":
@@ -598,24 +602,25 @@ class Issuer:
         self.pending.pop(fut, None)
         self.completed += 1
         stamp = self._stamps.pop(fut, None)
+        err = None if exc is None else self.error(call.describe(), exc)
         if stamp is not None:
             stamp.done = time.perf_counter()
-            stamp.outcome = "ok" if exc is None else type(exc).__name__
-        chk = self.checker
-        entry = chk.entries.pop(fut, None) if chk is not None else None
+            stamp.outcome = "ok" if err is None else type(err).__name__
         if fut.done():
             return
-        if exc is None:
-            if entry is not None:
-                entry.outcome = "ok"
+        if err is None:
             fut.set_result(result)
             return
-        err = self.error(call.describe(), exc)
-        if entry is not None:
-            entry.outcome = type(err).__name__
-        if chk is not None and entry is not None and isinstance(err, WorldAbortedError) and err is not exc:
+        chk = self.checker
+        if (
+            chk is not None
+            and stamp is not None
+            and exc is not None
+            and isinstance(err, WorldAbortedError)
+            and err is not exc
+        ):
             # the transport failed under the op: name the ranks gone before telling
-            task = fut.get_loop().create_task(self._name_gone(chk, fut, call, entry, exc, err))
+            task = fut.get_loop().create_task(self._name_gone(chk, fut, call, stamp, exc, err))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
@@ -633,9 +638,9 @@ class Issuer:
         fut.exception()  # retrieved: an unawaited failed op is not logged at exit
 
     async def _name_gone(
-        self, chk: Checker, fut: asyncio.Future[Any], call: Any, entry: Any, exc: BaseException, err: BaseException
+        self, chk: Checker, fut: asyncio.Future[Any], call: Any, stamp: Stamp, exc: BaseException, err: BaseException
     ) -> None:
-        named = await chk.gone_error(call.describe(), entry, exc)
+        named = await chk.gone_error(call.describe(), stamp, exc)
         if named is not None:
             err = named
             self.abort(named)

@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import hashlib
 import io
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -66,6 +65,10 @@ class _Issuer(Protocol):
     def error(self, what: str, exc: BaseException) -> BaseException: ...
 
     def abort(self, reason: BaseException) -> None: ...
+
+    def recent(self, n: int) -> list[Stamp]:
+        """The flight-recorder stamps of the group's last ``n`` collectives, oldest first."""
+        ...
 
 
 # when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pg's)
@@ -194,16 +197,6 @@ def _loads(blob: bytes) -> Any:
 # -- the checker -----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    """One collective in this process's history: what the flight recorder table shows."""
-
-    seq: int
-    sig: Hashable
-    site: Site | None
-    outcome: str | None = None  # None while pending, "ok", or the error's type name
-
-
 # side groups made per group name in this process: their names (processes make them alike)
 _side_groups_made: dict[str, int] = {}
 
@@ -211,7 +204,8 @@ _side_groups_made: dict[str, int] = {}
 class Checker:
     """Gates a group's collectives on a fingerprint all-gathered on a gloo side group.
 
-    ``gate(call, site, loop)`` returns a future that is done (None) once every rank's call
+    ``gate(call, stamp, loop)`` (``stamp``: the op's record in the issuer's flight
+    recorder, which the reports read) returns a future that is done (None) once every rank's call
     agrees, or fails with ``CollectiveMismatchError`` (each rank's call and file:line,
     the flight recorder table as a note) or, when a rank is gone, ``WorldAbortedError``
     naming it. The side group is made at the first gate, by the group's members.
@@ -229,29 +223,21 @@ class Checker:
         self.side_name = f"{iss.name}/aiocoll-check{made}"
         self.side: dist.ProcessGroup | None = None
         self._making: asyncio.Future[Any] | None = None
-        self._backlog: list[tuple[int, Any, asyncio.Future[None], _Entry]] = []
-        self.seq = 0
-        self.history: deque[_Entry] = deque(maxlen=self.HISTORY)
-        self.entries: dict[asyncio.Future[Any], _Entry] = {}  # an op's future -> its history entry
+        self._backlog: list[tuple[Any, asyncio.Future[None], Stamp]] = []
         self._opts = _torch.options.AllgatherOptions()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- gating ---------------------------------------------------------------------------------
 
-    def gate(
-        self, call: Any, site: Site | None, loop: asyncio.AbstractEventLoop
-    ) -> tuple[asyncio.Future[None], _Entry]:
-        entry = _Entry(self.seq, call.signature(), site)
-        self.seq += 1
-        self.history.append(entry)
+    def gate(self, call: Any, stamp: Stamp, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = loop.create_future()
         if self.side is None:
-            self._backlog.append((entry.seq, call, fut, entry))
+            self._backlog.append((call, fut, stamp))
             if self._making is None:
                 self._making = self._spawn(loop, self._make_side(loop))
         else:
-            self._send(call, fut, entry, loop)
-        return fut, entry
+            self._send(call, fut, stamp, loop)
+        return fut
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
         task = loop.create_task(coro)
@@ -267,7 +253,7 @@ class Checker:
                 _torch.new_group_helper, list(iss.global_ranks), dist.get_rank(), "gloo", self.side_name, timeout
             )
         except BaseException as e:
-            for _, call, fut, _ in self._backlog:  # (the peers never came to make the side group)
+            for call, fut, _ in self._backlog:  # (the peers never came to make the side group)
                 if not fut.done():
                     fut.set_exception(iss.error(call.describe(), e))
             self._backlog.clear()
@@ -275,10 +261,10 @@ class Checker:
         if iss.timeout is not None:
             self._opts.timeout = iss.timeout
         backlog, self._backlog = self._backlog, []
-        for _, call, fut, entry in backlog:
-            self._send(call, fut, entry, loop)
+        for call, fut, stamp in backlog:
+            self._send(call, fut, stamp, loop)
 
-    def _send(self, call: Any, fut: asyncio.Future[None], entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
+    def _send(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop) -> None:
         assert self.side is not None
         size = self.iss.size
         mine = torch.tensor(fingerprint(call, self.iss.rank), dtype=torch.int64)
@@ -286,39 +272,41 @@ class Checker:
         try:
             work = _torch.allgather_into(self.side, out, mine, self._opts)
         except RuntimeError as e:  # the side group is broken already: a peer is gone
-            self._spawn(loop, self._transport_failed(call, fut, entry, e))
+            self._spawn(loop, self._transport_failed(call, fut, stamp, e))
             return
-        watch = loop.call_later(self.WATCH_AFTER, self._start_watch, call, fut, entry, loop)
+        watch = loop.call_later(self.WATCH_AFTER, self._start_watch, call, fut, stamp, loop)
 
         def done(exc: BaseException | None) -> None:
             watch.cancel()
             if fut.done():
                 return
             if exc is not None:
-                self._spawn(loop, self._transport_failed(call, fut, entry, exc))
+                self._spawn(loop, self._transport_failed(call, fut, stamp, exc))
                 return
             vals = out.tolist()
             rows = [vals[i * FP_LEN : (i + 1) * FP_LEN] for i in range(size)]
             if agree(rows):
                 fut.set_result(None)
             else:
-                self._spawn(loop, self._mismatch(call, fut, entry))
+                self._spawn(loop, self._mismatch(call, fut, stamp))
 
         self._when_done(work, loop, done)
 
     # -- a mismatch ---------------------------------------------------------------------------
 
-    async def _mismatch(self, call: Any, fut: asyncio.Future[None], entry: _Entry) -> None:
+    async def _mismatch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp) -> None:
         """Swap every rank's call, site and history through the store; fail ``fut`` as in-process."""
         iss = self.iss
-        history = [(e.seq, e.sig, e.site, e.outcome) for e in self.history]
-        blob = _dumps((shadow(call), entry.site, history))
-        key = f"{self.presence.prefix}mismatch/{self.side_name}/{entry.seq}/"
+        seq = stamp.seq
+        assert seq is not None  # (only collectives are checked: they are numbered)
+        history = [(st.seq, st.sig, _site_of(st), st.outcome) for st in iss.recent(self.HISTORY)]
+        blob = _dumps((shadow(call), _site_of(stamp), history))
+        key = f"{self.presence.prefix}mismatch/{self.side_name}/{seq}/"
         try:
             blobs = await asyncio.to_thread(_swap, self.presence.store, key, iss.rank, iss.size, blob, 30.0)
         except Exception as e:
             err = CollectiveMismatchError(
-                f"the ranks' calls to {call.describe()} #{entry.seq} on group {iss.name!r} disagree "
+                f"the ranks' calls to {call.describe()} #{seq} on group {iss.name!r} disagree "
                 f"(their fingerprints differ), and their calls could not be exchanged: {e}"
             )
             self._fail(fut, err)
@@ -330,16 +318,16 @@ class Checker:
         sig = calls[0].signature()
         table = self._table(calls, sites)
         if any(c.signature() != sig for c in calls):
-            msg = mismatch_message(calls, entry.seq, iss.name, table)
+            msg = mismatch_message(calls, seq, iss.name, table)
         else:
             problem = kind.check(calls)
             if problem is None:  # the fingerprints collided: the calls do agree
                 if not fut.done():
                     fut.set_result(None)
                 return
-            msg = f"{problem} ({kind.name} #{entry.seq} on group {iss.name!r}):\n{table}"
+            msg = f"{problem} ({kind.name} #{seq} on group {iss.name!r}):\n{table}"
         err = CollectiveMismatchError(msg)
-        err.add_note(self._report([g[2] for g in got], entry.seq))
+        err.add_note(self._report([g[2] for g in got], seq))
         self._fail(fut, err)
 
     def _table(self, calls: Sequence[Any], sites: Sequence[Site | None]) -> str:
@@ -377,28 +365,26 @@ class Checker:
 
     # -- a rank gone --------------------------------------------------------------------------
 
-    def _start_watch(
-        self, call: Any, fut: asyncio.Future[None], entry: _Entry, loop: asyncio.AbstractEventLoop
-    ) -> None:
+    def _start_watch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop) -> None:
         if not fut.done():
-            self._spawn(loop, self._watch(call, fut, entry))
+            self._spawn(loop, self._watch(call, fut, stamp))
 
-    async def _watch(self, call: Any, fut: asyncio.Future[None], entry: _Entry) -> None:
+    async def _watch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp) -> None:
         """While the check waits, look for ranks that left or stopped beating; fail it if some did."""
         while not fut.done():
-            err = await self.gone_error(call.describe(), entry, None)
+            err = await self.gone_error(call.describe(), stamp, None)
             if err is not None:
                 self._fail(fut, err)
                 return
 
-    async def _transport_failed(self, call: Any, fut: asyncio.Future[None], entry: _Entry, exc: BaseException) -> None:
-        err = await self.gone_error(call.describe(), entry, exc)
+    async def _transport_failed(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, exc: BaseException) -> None:
+        err = await self.gone_error(call.describe(), stamp, exc)
         self._fail(fut, err if err is not None else self.iss.error(call.describe(), exc))
 
-    async def gone_error(self, what: str, entry: _Entry, cause: BaseException | None) -> WorldAbortedError | None:
+    async def gone_error(self, what: str, stamp: Stamp, cause: BaseException | None) -> WorldAbortedError | None:
         """A ``WorldAbortedError`` naming the members that left or died, or None if none did.
 
-        ``what``: the op this rank waits in (``entry``: its number and call site);
+        ``what``: the op this rank waits in (``stamp``: its number and call site);
         ``cause``: the transport's error, if any. For example::
 
             all_reduce(float32[4], op=ReduceOp.SUM) on rank 0 of group '0' (gloo) failed:
@@ -424,7 +410,7 @@ class Checker:
         who = f"{names} {how}" if gone else how
         err = WorldAbortedError(
             f"{what} on rank {iss.rank} of group {iss.name!r} ({iss.backend}) failed: {who}; rank {iss.rank} "
-            f"was waiting in it (call #{entry.seq} of the group, at {fmt_site(entry.site)})",
+            f"was waiting in it (call #{stamp.seq} of the group, at {fmt_site(_site_of(stamp))})",
             rank=group_ranks[0] if group_ranks else None,
         )
         err.__cause__ = cause
@@ -439,6 +425,11 @@ class Checker:
             # contrast, was never issued and every rank consumed its check alike, so the
             # group stays in step: ranks that catch the error may go on.
             self.iss.abort(err)
+
+
+def _site_of(stamp: Stamp) -> Site | None:
+    """Where this process called the op a stamp records (its only column)."""
+    return (stamp.files[0], stamp.lines[0]) if stamp.files[0] else None
 
 
 def _swap(store: Any, key: str, rank: int, size: int, blob: bytes, timeout: float) -> list[bytes]:

@@ -217,6 +217,7 @@ def test_a_mismatch_is_reported_in_every_process_at_once(
         table = notes[-1]
         assert table.startswith("aiocoll: flight recorder, the last 8 operations of each rank"), notes
         assert "MISMATCH" in table
+        assert "barrier ok" in table  # the group's earlier ops, from the process's flight recorder
     assert len({g[1] for g in got}) == 1  # the same report in every process
     assert len({g[2][-1] for g in got}) == 1
 
