@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import aiocoll
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import _loopback_env
+from test_process_group import run_processes
 
 LAUNCH_TIMEOUT = 90.0
 HERE = Path(__file__).name
@@ -142,25 +141,9 @@ def _process_main(argv: list[str]) -> None:
 def launch(scenario: str, world: int, tmp: Path, survivors: list[int]) -> dict[int, dict[str, Any]]:
     """Run ``world`` processes of ``scenario``; what each survivor saved (the others die on purpose)."""
     init = (tmp / "store").as_uri()
-    procs = []
-    for r in range(world):
-        err = (tmp / f"proc{r}.err").open("wb")
-        cmd = [sys.executable, __file__, scenario, str(r), str(world), init, str(tmp / f"proc{r}.pt")]
-        procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        for p, _ in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            err.close()
-    for r in survivors:
-        if procs[r][0].returncode != 0 or not (tmp / f"proc{r}.pt").exists():
-            pytest.fail(f"process {r} failed:\n{(tmp / f'proc{r}.err').read_text()[-4000:]}")
-    return {r: torch.load(tmp / f"proc{r}.pt", weights_only=False) for r in survivors}
+    args = [[scenario, str(r), str(world), init] for r in range(world)]
+    saved, _ = run_processes(__file__, args, tmp, survivors=survivors, timeout=LAUNCH_TIMEOUT)
+    return {r: saved[r] for r in survivors}
 
 
 @pytest.fixture(scope="module")

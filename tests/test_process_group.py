@@ -367,13 +367,15 @@ def run_processes(
     tmp: Path,
     meanwhile: Callable[[], Any] = lambda: None,
     survivors: Collection[int] | None = None,
+    timeout: float = LAUNCH_TIMEOUT,
 ) -> tuple[list[Any], Any]:
     """Run ``python script *args[i]`` for every i on loopback, each saving to ``tmp/proc{i}.pt``.
 
     The last argument of each command is that path. Calls ``meanwhile()`` while they run;
     returns what each process saved and what ``meanwhile`` returned. Fails the test, with
     the process's output, if one fails. ``survivors``: the processes expected to end well
-    (default: all); the others die on purpose, and their entry is None.
+    (default: all); the others die on purpose, and their entry is None. ``timeout``: seconds
+    they all have to end.
     """
     procs = []
     for i, a in enumerate(args):
@@ -382,7 +384,7 @@ def run_processes(
         procs.append((subprocess.Popen(cmd, env=_loopback_env(), stdout=err, stderr=err, cwd=tmp), err))
     try:
         other = meanwhile()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        deadline = time.monotonic() + timeout
         for p, _ in procs:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
     finally:
