@@ -15,8 +15,8 @@ neither aiocoll's per-rank c10d state nor its task tracking sees it.
 
 A process that exits or dies is named: every process of a hybrid world beats in the job's
 store (``_presence``). When an exchange or a p2p op with other processes fails in the
-transport, or has waited ``WATCH_AFTER`` seconds, the heartbeats of the processes it waits
-for are read off the loop; if one left or stopped beating, the world is aborted with a
+transport, or has waited ``WATCH_AFTER`` seconds, the processes it waits for are looked
+at off the loop; if one left, died or stopped, the world is aborted with a
 ``WorldAbortedError`` naming the process and its ranks, and saying what each of this
 process's ranks was waiting in.
 """
@@ -170,7 +170,7 @@ class HybridWorld:
         self._slow.pop(op, None)
 
     async def _watching(self) -> None:
-        """While ops wait for other processes, look for those processes gone (each look takes 0.2-1 s)."""
+        """While ops wait for other processes, look for those processes gone (see ``Presence.gone``)."""
         try:
             loop = asyncio.get_running_loop()
             while self._slow and self.world is not None and self.world.aborted is None:
@@ -178,7 +178,7 @@ class HybridWorld:
                 began = loop.time()
                 if await self.name_gone(procs, None):
                     return
-                # a look ends at once when the peers have not beaten yet (not started): pace them
+                # a look ends at once when every peer is seen running or has not beaten yet: pace them
                 await asyncio.sleep(max(0.0, Presence.INTERVAL - (loop.time() - began)))
         finally:
             self._watch = None
@@ -186,24 +186,23 @@ class HybridWorld:
     async def name_gone(self, procs: Sequence[int], cause: BaseException | None) -> WorldAbortedError | None:
         """If some of ``procs`` left or stopped beating, abort the world naming them and return its error.
 
-        ``cause``: the transport's error that prompted the look, if any. Blocks a thread up
-        to ``Presence.STALE`` seconds. ``e.rank`` is the first world rank of the first
+        ``cause``: the transport's error that prompted the look, if any. The look takes up
+        to ``Presence.STALE`` seconds (see ``Presence.gone``). ``e.rank`` is the first world rank of the first
         process gone (None when the store itself is gone).
         """
         others = [p for p in procs if p != self.proc]
         try:
-            left, silent = await asyncio.to_thread(self.presence.gone, [self.pg_ranks[p] for p in others])
+            settle = 0.0 if cause is None else Presence.SETTLE
+            gone = await self.presence.gone([self.pg_ranks[p] for p in others], settle=settle)
         except StoreUnreachable as e:
             who = f"{e}: the process that hosts it (the job's rank 0 under env:// or tcp://) is gone"
             rank = None
         else:
-            gone = [self.pg_ranks.index(g) for g in left or silent]
             if not gone:
                 return None
-            how = "exited" if left else f"stopped responding (no heartbeat for {Presence.STALE:g}s)"
-            names = ", ".join(self._name(p) for p in gone)
-            who = f"{names} of the hybrid world {how}"
-            rank = self.ranks_of(gone[0]).start
+            procs_gone = [(self.pg_ranks.index(g), how) for g, how in gone]
+            who = ", ".join(f"{self._name(p)} of the hybrid world {how}" for p, how in procs_gone)
+            rank = self.ranks_of(procs_gone[0][0]).start
         return self._abort_gone(who, rank, cause)
 
     def _name(self, proc: int) -> str:
@@ -258,7 +257,7 @@ class HybridWorld:
         self._made.clear()
         self._slow.clear()
         if self._watch is not None:
-            self._watch.cancel()  # (its look at the heartbeats ends within Presence.STALE)
+            self._watch.cancel()
             self._watch = None
 
     def __repr__(self) -> str:

@@ -21,8 +21,9 @@ recent history through the store, and every process raises the same
 ``Presence`` (one per process, see ``_presence``) keeps a heartbeat counter of this process
 in the default group's store, from a daemon thread, and marks the process as left at exit. When the
 transport fails (a peer's socket closed) or a check has waited ``WATCH_AFTER`` seconds,
-the survivors read the counters: ranks marked left, or whose counter stood still for
-``STALE`` seconds, are named in the ``WorldAbortedError``.
+the survivors look: ranks marked left, whose process on this host is gone or stopped,
+or (on other hosts) whose counter stood still for ``Presence.STALE`` seconds, are named in
+the ``WorldAbortedError``.
 
 The gate costs one small all-gather per collective, in series with the op: see
 ``benchmarks/bench_checks.py``. Point-to-point ops are not gated (they carry no
@@ -370,12 +371,22 @@ class Checker:
             self._spawn(loop, self._watch(call, fut, stamp))
 
     async def _watch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp) -> None:
-        """While the check waits, look for ranks that left or stopped beating; fail it if some did."""
+        """While the check waits, look for ranks that left, died or stopped; fail it if some did."""
+        loop = asyncio.get_running_loop()
         while not fut.done():
-            err = await self.gone_error(call.describe(), stamp, None)
+            began = loop.time()
+            look = asyncio.ensure_future(self.gone_error(call.describe(), stamp, None))
+            either: list[asyncio.Future[Any]] = [look, fut]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not look.done():  # the check completed first (a look can last Presence.STALE)
+                look.cancel()
+                return
+            err = look.result()
             if err is not None:
                 self._fail(fut, err)
                 return
+            # a look ends at once when every peer is seen running: pace them
+            await asyncio.sleep(max(0.0, Presence.INTERVAL - (loop.time() - began)))
 
     async def _transport_failed(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, exc: BaseException) -> None:
         err = await self.gone_error(call.describe(), stamp, exc)
@@ -394,20 +405,18 @@ class Checker:
         me = iss.global_ranks[iss.rank]
         others = [g for g in iss.global_ranks if g != me]
         try:
-            left, silent = await asyncio.to_thread(self.presence.gone, others)
+            gone = await self.presence.gone(others, settle=0.0 if cause is None else Presence.SETTLE)
         except StoreUnreachable as e:
-            gone: list[int] = []
-            how = f"{e}: the process that hosts it (rank 0 under env:// or tcp://) is gone"
+            gone = []
+            who = f"{e}: the process that hosts it (rank 0 under env:// or tcp://) is gone"
         else:
-            gone = left or silent
             if not gone:
                 return None
-            how = "exited" if left else f"stopped responding (no heartbeat for {Presence.STALE:g}s)"
-        group_ranks = [iss.global_ranks.index(g) for g in gone]
-        names = ", ".join(
-            f"rank {r}" if r == g else f"rank {r} (global {g})" for r, g in zip(group_ranks, gone, strict=True)
-        )
-        who = f"{names} {how}" if gone else how
+            who = ", ".join(
+                f"rank {iss.global_ranks.index(g)}{'' if iss.global_ranks.index(g) == g else f' (global {g})'} {how}"
+                for g, how in gone
+            )
+        group_ranks = [iss.global_ranks.index(g) for g, _ in gone]
         err = WorldAbortedError(
             f"{what} on rank {iss.rank} of group {iss.name!r} ({iss.backend}) failed: {who}; rank {iss.rank} "
             f"was waiting in it (call #{stamp.seq} of the group, at {fmt_site(_site_of(stamp))})",

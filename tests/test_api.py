@@ -61,7 +61,7 @@ def test_exception_hierarchy() -> None:
     assert issubclass(aiocoll.WorldAbortedError, aiocoll.AiocollError)
 
 
-@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn"])
+@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._presence"])
 def test_doctests(module: str) -> None:
     failures, tried = doctest.testmod(importlib.import_module(module))
     assert tried > 0

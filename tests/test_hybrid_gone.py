@@ -10,8 +10,11 @@ world's timeout is 60 s, so an error within 2 s comes from the heartbeats
 * 3 processes: process 2 is killed (SIGKILL) while the ranks of processes 0 and 1 wait in
   all_reduces of two sub-groups that span the three processes (each rank of a process in
   another one, so each says what it waited in);
-* 2 processes: process 1 stops (SIGSTOP): its sockets stay open, the transport sees
-  nothing, and only its heartbeat says it is gone.
+* 2 processes: process 1 holds its GIL for 2.5 s (its heartbeat stalls, it is not
+  gone), then stops (SIGSTOP): its sockets stay open, the transport sees nothing, and
+  ``/proc`` says it is stopped;
+* the same 2 processes playing two hosts (no ``/proc`` lookups): the stopped process's
+  heartbeat names it.
 
 In every survivor, each waiting rank's ``WorldAbortedError`` names the process gone, its
 ranks and what that rank waited in, and ``spawn`` raises one that says what each of the
@@ -21,6 +24,7 @@ process's ranks waited in.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sys
@@ -35,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+from aiocoll._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import run_processes
+from test_process_group import linger, run_processes
 
 HERE = Path(__file__).name
 PER_PROC = 2
@@ -46,6 +51,8 @@ TIMEOUT = 60.0
 # what each local rank saw: [message, seconds from its call to its error, e.rank]
 seen: dict[int, list[Any]] = {}
 stopped_pid: list[int] = []  # the process that stops itself, for the survivor to kill
+rank_pids: list[int] = []  # each world rank's process id
+busy: dict[int, list[Any]] = {}  # rank -> [all_reduce result, seconds] while a peer held its GIL
 
 
 async def _timed(rank: int, fn: Callable[[], Awaitable[object]]) -> None:
@@ -71,6 +78,7 @@ async def exits(comm: aiocoll.Comm) -> None:
 
 async def killed(comm: aiocoll.Comm) -> None:
     r = comm.rank
+    rank_pids[:] = await comm.all_gather_object(os.getpid())
     sub = await comm.split(r % 2)  # {0, 2, 4} and {1, 3, 5}: each spans the three processes
     assert sub is not None
     await sub.all_reduce(torch.ones(1))  # its process group is made and works
@@ -84,9 +92,23 @@ async def killed(comm: aiocoll.Comm) -> None:
     await _timed(r, lambda: sub.all_reduce(t))
 
 
+def hold_gil(seconds: float) -> None:
+    """Block in C with the GIL held, as a long C call or garbage collection does: no thread runs."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a PyDLL call keeps the GIL
+
+
 async def stopped(comm: aiocoll.Comm) -> None:
     pids = await comm.all_gather_object(os.getpid())
     stopped_pid.append(pids[PER_PROC])
+    if Presence.ON_THIS_HOST:  # a busy process is not gone (its heartbeat stalls 2.5 s)
+        await comm.barrier()
+        if comm.rank == PER_PROC:
+            await asyncio.sleep(0.3)
+            hold_gil(2.5)
+        t = torch.full((2,), float(comm.rank))
+        t0 = time.perf_counter()
+        await comm.all_reduce(t)
+        busy[comm.rank] = [t.tolist(), time.perf_counter() - t0]
     await comm.barrier()
     if comm.rank == PER_PROC:
         await asyncio.sleep(0.3)
@@ -100,12 +122,16 @@ SCENARIOS: dict[str, Callable[[aiocoll.Comm], Awaitable[Any]]] = {
     "exits": exits,
     "killed": killed,
     "stopped": stopped,
+    "stopped_elsewhere": stopped,  # as if each process ran on a host of its own
 }
 
 
 def _process_main(argv: list[str]) -> None:
     """``python test_hybrid_gone.py SCENARIO PROC PROCS INIT_METHOD OUT``."""
     scenario, proc, procs, init, path = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
+    if scenario == "stopped_elsewhere":
+        Presence.ON_THIS_HOST = False
+        Presence.STALE = 1.0  # (5 s by default, for live peers whose heartbeat stalls)
     dist.init_process_group("gloo", rank=proc, world_size=procs, init_method=init, timeout=timedelta(seconds=TIMEOUT))
     world = dist.group.WORLD
     assert world is not None
@@ -118,12 +144,17 @@ def _process_main(argv: list[str]) -> None:
     except aiocoll.WorldAbortedError as e:
         out["spawn"] = [str(e), getattr(e, "__notes__", []), e.rank, time.perf_counter() - t0]
     out["ranks"] = dict(seen)
+    out["busy"] = dict(busy)
+    out["pids"] = list(stopped_pid)
+    out["rank_pids"] = list(rank_pids)
     if scenario == "exits" and proc == 1:
         sys.exit(0)  # at exit, the process says it leaves
-    if scenario == "stopped":
+    if scenario.startswith("stopped"):
         os.kill(stopped_pid[0], signal.SIGKILL)
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)
+    if scenario == "killed":
+        linger(path, [0, 1])
     os._exit(0)  # a group is broken on purpose: no orderly teardown
 
 
@@ -147,10 +178,12 @@ def killed_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
     return [s for s in saved if s is not None]
 
 
-def _check_rank(got: list[Any], rank: int, what: str, who: str, gone_rank: int, collective: bool = True) -> None:
+def _check_rank(
+    got: list[Any], rank: int, what: str, who: str, gone_rank: int, collective: bool = True, limit: float = 2.0
+) -> None:
     msg, seconds, e_rank = got
     print(f"rank {rank}: named after {seconds:.2f} s")
-    assert seconds < 2.0, (seconds, msg)  # the world's timeout is 60 s
+    assert seconds < limit, (seconds, msg)  # the world's timeout is 60 s
     assert msg.startswith(f"{what} on rank {rank} of group "), msg
     assert f" failed: {who}; rank {rank} was waiting in it ({'call #' if collective else 'at '}" in msg, msg
     assert f"{HERE}:" in msg, msg  # its call site
@@ -173,7 +206,8 @@ def test_a_process_that_exits_is_named(exited: dict[str, Any]) -> None:
 
 
 def test_a_process_that_is_killed_is_named(killed_results: list[dict[str, Any]]) -> None:
-    who = "process 2 (ranks 4, 5) of the hybrid world stopped responding (no heartbeat for 1s)"
+    pid = killed_results[0]["rank_pids"][4]
+    who = f"process 2 (ranks 4, 5) of the hybrid world died (pid {pid} on this host is gone)"
     for proc, res in enumerate(killed_results):
         r0, r1 = 2 * proc, 2 * proc + 1
         _check_rank(res["ranks"][r0], r0, "all_reduce(float32[4], op=ReduceOp.SUM)", who, 4)
@@ -187,13 +221,37 @@ def test_a_process_that_is_killed_is_named(killed_results: list[dict[str, Any]])
         assert e_rank == 4
 
 
-def test_a_process_the_transport_does_not_see_go_is_named(tmp_path: Path) -> None:
-    saved = launch("stopped", 2, tmp_path, [0])
+@pytest.fixture(scope="module")
+def stopped_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    saved = launch("stopped", 2, tmp_path_factory.mktemp("stopped"), [0])
+    assert saved[0] is not None
+    return saved[0]
+
+
+def test_a_process_that_holds_its_gil_is_not_named(stopped_results: dict[str, Any]) -> None:
+    # its heartbeat stood still 2.5 s, but /proc says it runs: the ops wait for it
+    for r in (0, 1):
+        result, seconds = stopped_results["busy"][r]
+        assert result == [6.0, 6.0]  # 0 + 1 + 2 + 3
+        assert seconds > 2.0
+
+
+def test_a_process_the_transport_does_not_see_go_is_named(stopped_results: dict[str, Any]) -> None:
+    res = stopped_results
+    pid = res["pids"][0]
+    who = f"process 1 (ranks 2, 3) of the hybrid world is stopped (pid {pid} on this host, by SIGSTOP or Ctrl-Z)"
+    for r in (0, 1):
+        _check_rank(res["ranks"][r], r, "all_reduce(float32[4], op=ReduceOp.SUM)", who, 2)
+    assert res["spawn"][0].startswith(f"{who}; rank 0 was waiting in all_reduce(float32[4]")
+
+
+def test_a_process_on_another_host_is_named_by_its_heartbeat(tmp_path: Path) -> None:
+    saved = launch("stopped_elsewhere", 2, tmp_path, [0])
     res = saved[0]
     assert res is not None
     who = "process 1 (ranks 2, 3) of the hybrid world stopped responding (no heartbeat for 1s)"
     for r in (0, 1):
-        _check_rank(res["ranks"][r], r, "all_reduce(float32[4], op=ReduceOp.SUM)", who, 2)
+        _check_rank(res["ranks"][r], r, "all_reduce(float32[4], op=ReduceOp.SUM)", who, 2, limit=2.5)
     assert res["spawn"][0].startswith(f"{who}; rank 0 was waiting in all_reduce(float32[4]")
 
 

@@ -8,13 +8,16 @@ the checks, not from a timeout. Three launches:
   sizes), each reported in every process, then ops that agree, which still work;
 * 4 processes: rank 3 exits while the others wait in an all_reduce, then, in a group of
   ranks 0-2, rank 2 is killed (SIGKILL) while ranks 0 and 1 wait;
-* 2 processes: rank 1 stops (SIGSTOP), which the transport does not notice: its
-  heartbeat does.
+* 2 processes: rank 1 holds its GIL for 2.5 s (its heartbeat stalls, it is not gone),
+  then stops (SIGSTOP), which the transport does not notice; ``/proc`` does;
+* the same 2 processes playing two hosts (no ``/proc`` lookups): the stopped rank's
+  heartbeat names it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sys
@@ -29,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+from aiocoll._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import run_processes
+from test_process_group import linger, run_processes
 
 LAUNCH_TIMEOUT = 90.0
 HERE = Path(__file__).name
@@ -90,7 +94,7 @@ async def mismatches(comm: aiocoll.Comm) -> dict[str, Any]:
 async def gone(comm: aiocoll.Comm) -> dict[str, Any]:
     """Launch 2: rank 3 exits, then rank 2 is killed."""
     r = comm.rank
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"pids": await comm.all_gather_object(os.getpid())}
     sub = await comm.new_group([0, 1, 2])
     if sub is not None:
         await sub.all_reduce(torch.ones(1))  # its checks' side group is made
@@ -109,24 +113,47 @@ async def gone(comm: aiocoll.Comm) -> dict[str, Any]:
     return out
 
 
+def hold_gil(seconds: float) -> None:
+    """Block in C with the GIL held, as a long C call or garbage collection does: no thread runs."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a PyDLL call keeps the GIL
+
+
 async def stopped(comm: aiocoll.Comm) -> dict[str, Any]:
-    """Launch 3: rank 1 stops (its sockets stay open), rank 0 names it, then kills it."""
+    """Launch 3: rank 1 is busy, then stops (its sockets stay open); rank 0 names it, then kills it."""
     pids = await comm.all_gather_object(os.getpid())
+    out: dict[str, Any] = {"pids": pids}
+    await comm.barrier()
+    if Presence.ON_THIS_HOST:  # a busy peer is not gone (its heartbeat stalls 2.5 s)
+        if comm.rank == 1:
+            await asyncio.sleep(0.3)
+            hold_gil(2.5)
+        t = torch.full((4,), float(comm.rank + 1))
+        out["busy"] = await _timed(lambda: comm.all_reduce(t))
+        out["busy_result"] = t.tolist()
     await comm.barrier()
     if comm.rank == 1:
         await asyncio.sleep(0.3)
         os.kill(os.getpid(), signal.SIGSTOP)
-    out = {"stopped": await _timed(lambda: comm.all_reduce(torch.ones(4)))}
+    out["stopped"] = await _timed(lambda: comm.all_reduce(torch.ones(4)))
     os.kill(pids[1], signal.SIGKILL)
     return out
 
 
-SCENARIOS = {"mismatches": mismatches, "gone": gone, "stopped": stopped}
+async def stopped_elsewhere(comm: aiocoll.Comm) -> dict[str, Any]:
+    """Launch 3 as if each process ran on a host of its own: only the heartbeat tells."""
+    return await stopped(comm)
+
+
+SCENARIOS = {"mismatches": mismatches, "gone": gone, "stopped": stopped, "stopped_elsewhere": stopped_elsewhere}
 
 
 def _process_main(argv: list[str]) -> None:
     """``python test_process_checks.py SCENARIO RANK WORLD INIT_METHOD OUT``."""
     scenario, rank, world, init, path = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
+
+    if scenario == "stopped_elsewhere":
+        Presence.ON_THIS_HOST = False
+        Presence.STALE = 1.0  # (5 s by default, for live peers whose heartbeat stalls)
 
     async def main() -> dict[str, Any]:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init, timeout=timedelta(seconds=60))
@@ -135,6 +162,8 @@ def _process_main(argv: list[str]) -> None:
     out = asyncio.run(main())
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)
+    if scenario == "gone":
+        linger(path, [0, 1])
     os._exit(0)  # some groups are broken on purpose: no orderly teardown
 
 
@@ -241,15 +270,38 @@ def test_a_process_that_is_killed_is_named(gone_results: dict[int, dict[str, Any
         assert name == "WorldAbortedError", msg
         assert seconds < 2.0, seconds
         assert msg.startswith(f"all_reduce(float32[4], op=ReduceOp.SUM) on rank {r} of group '0/aiocoll")
-        assert "failed: rank 2 stopped responding (no heartbeat for 1s); " in msg
+        pid = gone_results[r]["pids"][2]
+        assert f"failed: rank 2 died (pid {pid} on this host is gone); " in msg
         assert rank == 2
 
 
-def test_a_process_the_transport_does_not_see_go_is_named(tmp_path: Path) -> None:
-    res = launch("stopped", 2, tmp_path, [0])
-    name, msg, _, seconds, rank = res[0]["stopped"]
+@pytest.fixture(scope="module")
+def stopped_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return launch("stopped", 2, tmp_path_factory.mktemp("stopped"), [0])[0]
+
+
+def test_a_peer_that_holds_its_gil_is_not_named(stopped_results: dict[str, Any]) -> None:
+    # its heartbeat stood still 2.5 s, but /proc says it runs: the op waits for it
+    name, msg, _, seconds, _ = stopped_results["busy"]
+    assert name == "none", msg
+    assert seconds > 2.0  # it did wait that long
+    assert stopped_results["busy_result"] == [3.0] * 4
+
+
+def test_a_process_the_transport_does_not_see_go_is_named(stopped_results: dict[str, Any]) -> None:
+    name, msg, _, seconds, rank = stopped_results["stopped"]
     assert name == "WorldAbortedError", msg
     assert seconds < 2.0, seconds
+    pid = stopped_results["pids"][1]
+    assert f"failed: rank 1 is stopped (pid {pid} on this host, by SIGSTOP or Ctrl-Z); rank 0 was waiting in it" in msg
+    assert rank == 1
+
+
+def test_a_process_on_another_host_is_named_by_its_heartbeat(tmp_path: Path) -> None:
+    res = launch("stopped_elsewhere", 2, tmp_path, [0])
+    name, msg, _, seconds, rank = res[0]["stopped"]
+    assert name == "WorldAbortedError", msg
+    assert seconds < 2.5, seconds  # 0.5 s before the first look, 1 s without a beat
     assert "failed: rank 1 stopped responding (no heartbeat for 1s); rank 0 was waiting in it" in msg
     assert rank == 1
 
