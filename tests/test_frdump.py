@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,7 +39,10 @@ def fr_trace_subprocess(directory: Path) -> str:
 
 def fr_trace(directory: Path) -> str:
     """The analyzer's ``main``, in this process (no torch import to wait for): what it logged."""
-    from torch.distributed.flight_recorder import fr_trace as analyzer
+    with warnings.catch_warnings():
+        # the analyzer of torch < 2.15 calls typing._eval_type as Python 3.13 deprecates
+        warnings.filterwarnings("ignore", "Failing to pass a value to the 'type_params'", DeprecationWarning)
+        from torch.distributed.flight_recorder import fr_trace as analyzer
 
     log = logging.getLogger("Flight Recorder")
     out = io.StringIO()
