@@ -100,7 +100,7 @@ class _Sighting:
     left: bool
     beat: int  # its heartbeat counter (0: it never beat)
     pid: int | None  # on this host; None elsewhere, or where /proc cannot tell
-    state: str | None  # its /proc state letter; "" if its process is gone
+    state: str | None  # its /proc state letter ("X": exiting, see parse_stat); "" if its process is gone
 
     def dead(self) -> str | None:
         """How it went, if it did."""
