@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import functools
 import itertools
 import random
 import threading
@@ -166,7 +167,9 @@ class RankState:
         "activity",
         "completed",
         "error",
+        "gathering",
         "helpers",
+        "holding",
         "injected",
         "issued",
         "live",
@@ -190,6 +193,9 @@ class RankState:
         self.waiting: list[EngineWork] = []
         self.task: asyncio.Task[Any] | None = None
         self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
+        # its tasks counted parked in a gather (below), each with how many tasks it waits for
+        self.gathering: dict[asyncio.Future[Any], int] = {}
+        self.holding: dict[asyncio.Future[Any], asyncio.Future[Any]] = {}  # a task -> the gathering task it holds
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
@@ -223,11 +229,83 @@ class RankState:
             lv = self.liveness
             lv.blocked += 1
             lv.check()
+        elif self.helpers and self.task is not None and self.live - self.parked <= _GATHER_SCAN:
+            self._park_gatherers()
 
     def unparked(self) -> None:
         if self.parked == self.live:
             self.liveness.blocked -= 1
         self.parked -= 1
+
+    def _park_gatherers(self) -> None:
+        """Count as parked its tasks that await an ``asyncio.gather`` of its own tasks only.
+
+        Such a task cannot act before those tasks end, and they are counted themselves:
+        so a rank in ``await asyncio.gather(comm.all_reduce(a), comm.recv(b, src=1))`` is
+        blocked exactly when both ops wait, and a deadlock there is reported at once.
+        Runs when few of its tasks are left unparked, as one of them parks or ends: a
+        gather's tasks first run once the gathering task awaits it, so one that waits
+        in an op is seen. (A gather whose ops all waited before it was awaited, with no
+        task of the rank ending since, is not: its deadlock is reported at the timeout.)
+        """
+        found = []
+        claimed: set[asyncio.Future[Any]] = set()
+        # (one pass in a comprehension: a rank may have thousands of tasks)
+        gatherers = [t for t in self.helpers if isinstance(getattr(t, "_fut_waiter", None), _GatheringFuture)]
+        for task in (self.task, *gatherers):
+            if task is None or task in self.gathering:
+                continue
+            leaves = self._leaves_of(_gathering(task))
+            # a task gathered twice (by two tasks) is left to the first: the second counts as running
+            if leaves and not any(leaf in self.holding or leaf in claimed for leaf in leaves):
+                found.append((task, leaves))
+                claimed |= leaves
+        for task, leaves in found:
+            self.gathering[task] = len(leaves)
+            for leaf in leaves:
+                self.holding[leaf] = task  # (no list per leaf: thousands of them would cost the GC)
+            waiter = _gathering(task)
+            assert waiter is not None
+            waiter.add_done_callback(functools.partial(self._gather_done, task))
+        if found:
+            self._change(0, len(found))
+
+    def _leaves_of(self, gather: asyncio.Future[Any] | None) -> set[asyncio.Future[Any]] | None:
+        """The tasks of this rank that ``gather`` (a gather, or anything else) waits for, if it waits for no other.
+
+        Nested gathers are looked into. None if it waits for something outside the rank
+        (a timer, I/O...), for nothing, or may end any moment: a child failed or was
+        cancelled (the children done so far must have succeeded).
+        """
+        children = _children(gather)
+        if children is None:
+            return None
+        leaves: set[asyncio.Future[Any]] = set()
+        for c in children:
+            if c.done():
+                if c.cancelled() or c.exception() is not None:
+                    return None
+            elif c in self.helpers:
+                leaves.add(c)
+            else:
+                inner = self._leaves_of(c)
+                if inner is None:
+                    return None
+                leaves |= inner
+        return leaves or None
+
+    def _gather_done(self, task: asyncio.Future[Any], _gather: asyncio.Future[Any]) -> None:
+        self.resumed(task)
+
+    def resumed(self, task: asyncio.Future[Any] | None) -> None:
+        """``task`` runs again, or is about to: it no longer counts as parked in a gather.
+
+        A gather's end wakes its task before the engine hears of it (the task's callback
+        came first). So the last task a gather waits for says so as it ends (see
+        ``_helper_done``), and a task of ``gathering`` that parks on a Work says so too.
+        """
+        if task is not None and self.gathering.pop(task, None) is not None:
+            self._change(0, -1)
 
     def enter(self) -> None:
         """A task or thread starts acting for this rank."""
@@ -268,7 +346,17 @@ class RankState:
 
     def _helper_done(self, task: asyncio.Future[Any]) -> None:
         self.helpers.discard(task)
+        # A gather whose last task this was (or which failed) is about to wake its own
+        # task; the engine would hear of it only later: count that task as running now.
+        t = self.holding.pop(task, None)
+        if t is not None and (left := self.gathering.get(t)) is not None:
+            if left == 1 or task.cancelled() or task.exception() is not None:
+                self.resumed(t)
+            else:
+                self.gathering[t] = left - 1
         self._change(-1, 0)
+        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
+            self._park_gatherers()  # a task that gathers the ones left may await it now
 
     def status(self) -> str:
         if self.phase is Phase.FAILED and self.error is not None:
@@ -297,6 +385,30 @@ class RankState:
 
 
 # -- tracking the tasks a rank creates ---------------------------------------------
+
+# Unparked tasks a rank may have left for its gathers to be looked for: a gather of
+# gathers, a few levels deep. Past that a deadlock is reported at the timeout.
+_GATHER_SCAN = 8
+
+
+def _gathering(task: asyncio.Future[Any]) -> asyncio.Future[Any] | None:
+    """What ``task`` awaits now (asyncio's ``_fut_waiter``, C and Python tasks alike), if anything."""
+    return getattr(task, "_fut_waiter", None)
+
+
+def _children(fut: asyncio.Future[Any] | None) -> Sequence[asyncio.Future[Any]] | None:
+    """The futures of ``fut`` if it is a pending ``asyncio.gather``; else None.
+
+    Reads asyncio's own names (Python 3.11-3.13): ``_GatheringFuture`` and its
+    ``_children``. Should they change, this says None and gathers are not looked into.
+    """
+    if fut is None or not isinstance(fut, _GatheringFuture) or fut.done():
+        return None
+    children = getattr(fut, "_children", None)
+    return children if isinstance(children, list) else None
+
+
+_GatheringFuture: type = getattr(asyncio.tasks, "_GatheringFuture", type(None))
 
 _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -405,6 +517,8 @@ class EngineWork(Work):
         if not fut.done():
             st = _rank_var.get()
             if st is not None and st.world is self._rank.world:
+                if st.gathering and (task := asyncio.current_task()) in st.gathering:
+                    st.resumed(task)  # it awaited a gather until now (see RankState.resumed)
                 st.world.park(self, st)
             try:
                 yield from fut

@@ -12,6 +12,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -520,13 +521,8 @@ def test_deadlock_cycle_across_sub_groups(loop: str) -> None:
         assert f"[{peer}]" in row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Known limitation (README): a rank awaiting asyncio.gather(...) of Works is not counted as "
-    "parked (gather wraps each Work in a helper task), so the deadlock is only reported at the timeout",
-)
 def test_deadlock_inside_gather_is_detected(loop: str) -> None:
+    # gather runs each Work in a task of the rank; the rank is blocked once they all wait
     async def fn(comm: Comm) -> None:
         t = torch.ones(1)
         if comm.rank == 0:
@@ -534,8 +530,146 @@ def test_deadlock_inside_gather_is_detected(loop: str) -> None:
         else:
             await comm.all_reduce(t)
 
-    out, _ = _outcome(fn, 2, loop, timeout=0.5)
-    assert isinstance(out, DeadlockError), f"spawn gave {type(out).__name__}: {out}"
+    msg = _deadlock(fn, 2, loop)
+    assert "blocked in recv(float32[1], src=1, tag=0)" in _rank_line(msg, 0)
+    assert "returned" in _rank_line(msg, 1)
+
+
+def test_deadlock_inside_nested_gathers_is_detected(loop: str) -> None:
+    async def fn(comm: Comm) -> None:
+        t = torch.ones(1)
+        if comm.rank == 0:
+            inner = asyncio.gather(comm.all_reduce(t), comm.recv(torch.empty(1), src=1))
+            await asyncio.gather(inner, comm.barrier())
+        else:
+            await comm.all_reduce(t)
+            await comm.barrier()
+            await comm.barrier()  # rank 0 went on to no second barrier: it waits in the recv
+
+    msg = _deadlock(fn, 2, loop)
+    assert "recv(float32[1], src=1, tag=0)" in _rank_line(msg, 0)
+    assert "barrier()" in _rank_line(msg, 1)
+
+
+def test_gathered_ops_that_complete_are_no_deadlock(loop: str) -> None:
+    # each rank's ops wait in turn while the others' tasks still run: never all blocked
+    async def fn(comm: Comm) -> list[float]:
+        r, peer = comm.rank, 1 - comm.rank
+        got = torch.zeros(1)
+
+        async def later() -> None:
+            await asyncio.sleep(0.05)  # a task of the rank that runs while the ops wait
+            await comm.send(torch.full((1,), float(r)), dst=peer)
+
+        t = torch.full((1,), float(r + 1))
+        await asyncio.gather(comm.all_reduce(t), comm.recv(got, src=peer), later())
+        return [t.item(), got.item()]
+
+    out, _ = _outcome(fn, 2, loop)
+    assert out == [[3.0, 1.0], [3.0, 0.0]], out
+
+
+def test_a_rank_that_goes_on_after_a_gather_is_not_blocked(loop: str) -> None:
+    # after the gather, rank 0 waits in a recv while a task of its own still runs (it
+    # sends what rank 1 waits for): rank 0 is not blocked, whatever order the loop wakes
+    # its task and the gather's end in
+    async def fn(comm: Comm) -> float:
+        t, got = torch.ones(1), torch.zeros(1)
+        if comm.rank == 0:
+
+            async def later() -> None:
+                await asyncio.sleep(0.1)
+                await comm.send(torch.full((1,), 5.0), dst=1)
+
+            background = asyncio.create_task(later())
+            await asyncio.gather(comm.all_reduce(t))
+            await comm.recv(got, src=1)
+            await background
+        else:
+            await asyncio.sleep(0.05)  # rank 0's gathered all_reduce waits for it
+            await comm.all_reduce(t)
+            await comm.recv(got, src=0)
+            await comm.send(got + 1, dst=0)
+        return got.item()
+
+    out, _ = _outcome(fn, 2, loop)
+    assert out == [6.0, 5.0], out
+
+
+def test_a_rank_whose_gather_just_ended_is_not_blocked(loop: str) -> None:
+    # rank 1 waits for what rank 0 sends after its gather: as the gathered op's task
+    # ends, rank 0's own task is about to wake, not blocked
+    async def fn(comm: Comm) -> float:
+        t, got = torch.ones(1), torch.zeros(1)
+        if comm.rank == 0:
+            await asyncio.gather(comm.all_reduce(t))
+            await comm.send(torch.full((1,), 5.0), dst=1)
+        else:
+            await asyncio.sleep(0.05)  # rank 0's gathered all_reduce waits for it
+            await comm.all_reduce(t)
+            await comm.recv(got, src=0)
+        return got.item()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an engine callback that fails only logs: fail on that too
+        out, _ = _outcome(fn, 2, loop)
+    assert out == [0.0, 5.0], out
+
+
+def test_after_many_gathers_a_deadlock_is_still_reported_exactly(loop: str) -> None:
+    # gathers of every shape came and went (nested, a task gathered by two tasks, one
+    # that failed): the counts they moved are back, and a later deadlock is exact
+    async def fn(comm: Comm) -> None:
+        t = torch.ones(1)
+        for _ in range(3):
+            await asyncio.gather(comm.all_reduce(t), asyncio.gather(comm.barrier(), comm.all_reduce(t)))
+            shared = asyncio.ensure_future(comm.all_reduce(t))
+            await asyncio.gather(asyncio.gather(shared), asyncio.gather(shared))
+            shared = asyncio.ensure_future(comm.all_reduce(t))
+
+            async def waits(one: asyncio.Future[Any]) -> None:
+                await asyncio.gather(one)
+
+            await asyncio.gather(waits(shared), waits(shared))  # two tasks gather one
+
+            async def fails() -> None:
+                await comm.barrier()
+                raise KeyError("expected")
+
+            got = await asyncio.gather(fails(), comm.all_reduce(t), return_exceptions=True)
+            assert isinstance(got[0], KeyError)
+        if comm.rank == 1:
+            await comm.barrier()  # rank 0 has returned
+
+    msg = _deadlock(fn, 2, loop)
+    assert "returned" in _rank_line(msg, 0)
+    assert "blocked in barrier()" in _rank_line(msg, 1)
+
+
+def test_a_gather_that_waits_on_a_future_of_its_own_is_no_deadlock(loop: str) -> None:
+    # a future nobody in the world resolves (a timer, I/O): the gathering rank is not blocked
+    async def fn(comm: Comm) -> float:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+            loop_ = asyncio.get_running_loop()
+            external: asyncio.Future[None] = loop_.create_future()
+            sent: list[Any] = []
+
+            def fire() -> None:
+                sent.append(comm.send(torch.full((1,), 5.0), dst=1))
+                external.set_result(None)
+
+            loop_.call_later(0.2, fire)
+            await asyncio.gather(external, comm.recv(got, src=1))
+            await sent[0]
+        else:
+            await comm.recv(got, src=0)
+            await comm.send(got + 1, dst=0)
+        return got.item()
+
+    out, elapsed = _outcome(fn, 2, loop)
+    assert out == [6.0, 5.0], out
+    assert elapsed >= 0.2
 
 
 @pytest.mark.xfail(
