@@ -68,6 +68,19 @@ def test_bench_recorder_quick() -> None:
     assert ratio.endswith("x")
 
 
+def test_bench_gather_quick() -> None:
+    script = BENCH_ALLREDUCE.parent / "bench_gather.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split() == ["tasks", "ops", "off", "us", "on", "us", "on/off"]
+    tasks, ops, off, on, ratio = lines[2].split()
+    assert (tasks, ops) == ("20", "5")
+    assert float(off) > 0
+    assert float(on) > 0
+    assert ratio.endswith("x")
+
+
 BENCH_SUITE = BENCH_ALLREDUCE.parent / "bench_suite.py"
 SUITE_SYSTEMS = ["floor", "threaded PG", "gloo", "aiocoll async", "aiocoll sync"]
 SUITE_WORKLOADS = ("allreduce_1", "allreduce_16MB", "allgather_4MB", "startup", "memory")
