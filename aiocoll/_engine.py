@@ -250,8 +250,9 @@ class RankState:
         """
         found = []
         claimed: set[asyncio.Future[Any]] = set()
-        # (one pass in a comprehension: a rank may have thousands of tasks)
-        gatherers = [t for t in self.helpers if isinstance(getattr(t, "_fut_waiter", None), _GatheringFuture)]
+        gatherers: list[asyncio.Future[Any]] = []
+        if len(self.helpers) <= _GATHER_HELPERS:  # (a look at each: not on every op of a rank of thousands)
+            gatherers = [t for t in self.helpers if isinstance(getattr(t, "_fut_waiter", None), _GatheringFuture)]
         for task in (self.task, *gatherers):
             if task is None or task in self.gathering:
                 continue
@@ -386,9 +387,12 @@ class RankState:
 
 # -- tracking the tasks a rank creates ---------------------------------------------
 
-# Unparked tasks a rank may have left for its gathers to be looked for: a gather of
-# gathers, a few levels deep. Past that a deadlock is reported at the timeout.
+# When a rank's gathers are looked for: once at most this many of its tasks are left
+# unparked (so at most this many tasks, each awaiting a gather, are found; nested gathers
+# count as one), and among its helper tasks only while it has at most _GATHER_HELPERS of
+# them (its main task is always looked at). Past that a deadlock is reported at the timeout.
 _GATHER_SCAN = 8
+_GATHER_HELPERS = 32
 
 
 def _gathering(task: asyncio.Future[Any]) -> asyncio.Future[Any] | None:

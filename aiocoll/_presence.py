@@ -41,25 +41,30 @@ class StoreUnreachable(AiocollError, RuntimeError):
     """The store the heartbeats live in cannot be reached (the process that hosts it is gone)."""
 
 
-_PF_EXITING = 0x4  # a flag of the kernel's task: set as the task starts to exit
+# Flags of the kernel's task: it has begun to exit, or is writing a core dump (a fatal
+# signal; its state stays R or S and its sockets open for as long as the dump takes).
+_PF_DYING = 0x4 | 0x200  # PF_EXITING | PF_DUMPCORE
 
 
 def parse_stat(text: str) -> tuple[str, int]:
     """(state letter, start time in clock ticks) from the text of ``/proc/<pid>/stat``.
 
-    The state is ``"X"`` (dead) for a task that has begun to exit: a killed process's
-    state stays ``R`` or ``D`` while the kernel tears it down, and closes its sockets,
-    before it becomes a zombie (``Z``). The command name (field 2) is in parentheses and
-    may hold spaces and parentheses itself, so the fields are counted from the last ``)``.
+    The state is ``"X"`` (dead) for a task that has begun to exit or dumps core: a
+    killed process's state stays ``R`` or ``D`` while the kernel tears it down, and closes
+    its sockets, before it becomes a zombie (``Z``). The command name (field 2) is in
+    parentheses and may hold spaces and parentheses itself, so the fields are counted
+    from the last ``)``.
 
     >>> parse_stat("42 (a) b) S 1 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 123456 0 0")
     ('S', 123456)
     >>> parse_stat("42 (a) b) R 1 42 42 0 -1 4194564 0 0 0 0 0 0 0 0 20 0 1 0 123456 0 0")
     ('X', 123456)
+    >>> parse_stat("42 (a) b) S 1 42 42 0 -1 4195072 0 0 0 0 0 0 0 0 20 0 1 0 123456 0 0")
+    ('X', 123456)
     """
     rest = text[text.rindex(")") + 2 :].split()
     state, flags, start = rest[0], int(rest[6]), int(rest[19])  # fields 3, 9 and 22 of proc(5)
-    return ("X" if flags & _PF_EXITING else state), start
+    return ("X" if flags & _PF_DYING else state), start
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -87,6 +92,8 @@ def _this_host() -> str | None:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         ns = os.stat("/proc/self/ns/pid").st_ino
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None  # a /proc of another pid namespace (unshare -p without a remount)
         stat = _stat(os.getpid())
     except OSError:
         return None
@@ -138,6 +145,7 @@ class Presence:
         self.store = store
         self.rank = rank
         self._pg_id = id(pg)
+        self._own_pid = os.getpid()  # (a child made by fork inherits the atexit hook: not its exit)
         self.prefix = f"aiocoll/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.host = _this_host() if self.ON_THIS_HOST else None
         self._pids: dict[int, int | None] = {}  # global rank -> its pid if on this host, None if elsewhere
@@ -185,6 +193,8 @@ class Presence:
 
     def leave(self) -> None:
         """Say that this process leaves (at exit): the others name it at once."""
+        if os.getpid() != self._own_pid:
+            return
         self._stop.set()
         self._thread.join(1.0)
         with contextlib.suppress(Exception):

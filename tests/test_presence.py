@@ -206,3 +206,15 @@ def test_a_settled_look_at_running_peers_ends_empty(presence: Presence, child: A
     t0 = time.perf_counter()
     assert asyncio.run(presence.gone([1], settle=0.3)) == []
     assert time.perf_counter() - t0 >= 0.3
+
+
+def test_a_forked_child_that_exits_does_not_say_its_parent_left(
+    presence: Presence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a child made by fork inherits the atexit hook that says "left"
+    monkeypatch.setattr(os, "getpid", lambda: presence._own_pid + 1)
+    presence.leave()
+    assert presence._read("left", 0) == 0
+    monkeypatch.undo()
+    presence.leave()  # the process itself, at its exit
+    assert presence._read("left", 0) == 1

@@ -151,9 +151,12 @@ def _process_main(argv: list[str]) -> None:
     """``python test_process_checks.py SCENARIO RANK WORLD INIT_METHOD OUT``."""
     scenario, rank, world, init, path = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
 
+    if scenario.startswith("stopped"):
+        # 1 s without a heartbeat names a peer elsewhere (5 s by default): so the busy
+        # peer on this host, whose heartbeat stalls 2.5 s, is spared by /proc alone
+        Presence.STALE = 1.0
     if scenario == "stopped_elsewhere":
         Presence.ON_THIS_HOST = False
-        Presence.STALE = 1.0  # (5 s by default, for live peers whose heartbeat stalls)
 
     async def main() -> dict[str, Any]:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init, timeout=timedelta(seconds=60))
