@@ -184,11 +184,11 @@ class HybridWorld:
             self._watch = None
 
     async def name_gone(self, procs: Sequence[int], cause: BaseException | None) -> WorldAbortedError | None:
-        """If some of ``procs`` left, died or stopped (see ``Presence.gone``), abort the world naming them; its error.
+        """If some of ``procs`` left, died or stopped, abort the world naming them and return its error.
 
         ``cause``: the transport's error that prompted the look, if any. The look takes up
-        to ``Presence.STALE`` seconds (see ``Presence.gone``). ``e.rank`` is the first world rank of the first
-        process gone (None when the store itself is gone).
+        to ``Presence.STALE`` seconds (see ``Presence.gone``). ``e.rank`` is the first
+        world rank of the first process gone (None when the store itself is gone).
         """
         others = [p for p in procs if p != self.proc]
         try:

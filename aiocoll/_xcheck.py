@@ -412,10 +412,8 @@ class Checker:
         else:
             if not gone:
                 return None
-            who = ", ".join(
-                f"rank {iss.global_ranks.index(g)}{'' if iss.global_ranks.index(g) == g else f' (global {g})'} {how}"
-                for g, how in gone
-            )
+            named = [(iss.global_ranks.index(g), g, how) for g, how in gone]
+            who = ", ".join(f"rank {r}{'' if r == g else f' (global {g})'} {how}" for r, g, how in named)
         group_ranks = [iss.global_ranks.index(g) for g, _ in gone]
         err = WorldAbortedError(
             f"{what} on rank {iss.rank} of group {iss.name!r} ({iss.backend}) failed: {who}; rank {iss.rank} "
