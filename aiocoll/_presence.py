@@ -40,6 +40,11 @@ __all__ = ["Presence", "StoreUnreachable", "parse_stat"]
 class StoreUnreachable(AiocollError, RuntimeError):
     """The store the heartbeats live in cannot be reached (the process that hosts it is gone)."""
 
+    @classmethod
+    def of(cls, e: Exception) -> StoreUnreachable:
+        """The error for the store's exception ``e`` (its first line)."""
+        return cls(f"the store is unreachable ({str(e).splitlines()[0] if str(e) else e!r})")
+
 
 # Flags of the kernel's task: it has begun to exit, or is writing a core dump (a fatal
 # signal; its state stays R or S and its sockets open for as long as the dump takes).
@@ -204,7 +209,7 @@ class Presence:
         try:
             return int(self.store.add(self._key(kind, rank), 0))
         except Exception as e:
-            raise StoreUnreachable(f"the store is unreachable ({str(e).splitlines()[0] if str(e) else e!r})") from e
+            raise StoreUnreachable.of(e) from e
 
     def _pid(self, rank: int) -> int | None:
         """The pid of global ``rank`` if it runs on this host (read once from the store)."""
@@ -216,7 +221,7 @@ class Presence:
                 return None  # not started yet: ask again next time
             who = bytes(self.store.get(key)).decode()
         except Exception as e:
-            raise StoreUnreachable(f"the store is unreachable ({str(e).splitlines()[0] if str(e) else e!r})") from e
+            raise StoreUnreachable.of(e) from e
         host, _, rest = who.partition("|")
         pid = None
         if self.host is not None and host == self.host:

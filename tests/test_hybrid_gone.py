@@ -24,7 +24,6 @@ process's ranks waited in.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -42,7 +41,7 @@ import aiocoll
 from aiocoll._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import linger, run_processes
+from test_process_group import hold_gil, linger, play_presence, run_processes
 
 HERE = Path(__file__).name
 PER_PROC = 2
@@ -92,11 +91,6 @@ async def killed(comm: aiocoll.Comm) -> None:
     await _timed(r, lambda: sub.all_reduce(t))
 
 
-def hold_gil(seconds: float) -> None:
-    """Block in C with the GIL held, as a long C call or garbage collection does: no thread runs."""
-    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a PyDLL call keeps the GIL
-
-
 async def stopped(comm: aiocoll.Comm) -> None:
     pids = await comm.all_gather_object(os.getpid())
     stopped_pid.append(pids[PER_PROC])
@@ -129,12 +123,7 @@ SCENARIOS: dict[str, Callable[[aiocoll.Comm], Awaitable[Any]]] = {
 def _process_main(argv: list[str]) -> None:
     """``python test_hybrid_gone.py SCENARIO PROC PROCS INIT_METHOD OUT``."""
     scenario, proc, procs, init, path = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
-    if scenario.startswith("stopped"):
-        # 1 s without a heartbeat names a peer elsewhere (5 s by default): so the busy
-        # peer on this host, whose heartbeat stalls 2.5 s, is spared by /proc alone
-        Presence.STALE = 1.0
-    if scenario == "stopped_elsewhere":
-        Presence.ON_THIS_HOST = False
+    play_presence(scenario)
     dist.init_process_group("gloo", rank=proc, world_size=procs, init_method=init, timeout=timedelta(seconds=TIMEOUT))
     world = dist.group.WORLD
     assert world is not None

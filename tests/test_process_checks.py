@@ -17,7 +17,6 @@ the checks, not from a timeout. Three launches:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -35,7 +34,7 @@ import aiocoll
 from aiocoll._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_process_group import linger, run_processes
+from test_process_group import hold_gil, linger, play_presence, run_processes
 
 LAUNCH_TIMEOUT = 90.0
 HERE = Path(__file__).name
@@ -113,11 +112,6 @@ async def gone(comm: aiocoll.Comm) -> dict[str, Any]:
     return out
 
 
-def hold_gil(seconds: float) -> None:
-    """Block in C with the GIL held, as a long C call or garbage collection does: no thread runs."""
-    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a PyDLL call keeps the GIL
-
-
 async def stopped(comm: aiocoll.Comm) -> dict[str, Any]:
     """Launch 3: rank 1 is busy, then stops (its sockets stay open); rank 0 names it, then kills it."""
     pids = await comm.all_gather_object(os.getpid())
@@ -151,12 +145,7 @@ def _process_main(argv: list[str]) -> None:
     """``python test_process_checks.py SCENARIO RANK WORLD INIT_METHOD OUT``."""
     scenario, rank, world, init, path = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
 
-    if scenario.startswith("stopped"):
-        # 1 s without a heartbeat names a peer elsewhere (5 s by default): so the busy
-        # peer on this host, whose heartbeat stalls 2.5 s, is spared by /proc alone
-        Presence.STALE = 1.0
-    if scenario == "stopped_elsewhere":
-        Presence.ON_THIS_HOST = False
+    play_presence(scenario)
 
     async def main() -> dict[str, Any]:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init, timeout=timedelta(seconds=60))

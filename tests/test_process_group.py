@@ -14,6 +14,7 @@ collective. A second, 2-process launch goes through torchrun with the example.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import re
 import socket
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+from aiocoll._presence import Presence
 
 WORLD = 4
 LAUNCH_TIMEOUT = 120.0
@@ -360,6 +362,24 @@ def _loopback_env() -> dict[str, str]:
         if name in ("lo", "lo0"):
             env.setdefault("GLOO_SOCKET_IFNAME", name)
     return env
+
+
+def hold_gil(seconds: float) -> None:
+    """Block in C with the GIL held, as a long C call or garbage collection does: no thread runs."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a PyDLL call keeps the GIL
+
+
+def play_presence(scenario: str) -> None:
+    """In a process of a "stopped" scenario: how ``Presence`` judges its peers there.
+
+    1 s without a heartbeat names a peer elsewhere (5 s by default): so a busy peer on
+    this host, whose heartbeat stalls 2.5 s, is spared by /proc alone. "stopped_elsewhere"
+    plays processes on hosts of their own (no /proc lookups).
+    """
+    if scenario.startswith("stopped"):
+        Presence.STALE = 1.0
+    if scenario == "stopped_elsewhere":
+        Presence.ON_THIS_HOST = False
 
 
 def linger(path: str, survivors: Collection[int], timeout: float = 30.0) -> None:
