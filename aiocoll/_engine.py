@@ -177,7 +177,9 @@ class RankState:
         "parked",
         "phase",
         "rank",
+        "recheck",
         "record",
+        "starting",
         "task",
         "waiting",
         "world",
@@ -196,6 +198,8 @@ class RankState:
         # its tasks counted parked in a gather (below), each with how many tasks it waits for
         self.gathering: dict[asyncio.Future[Any], int] = {}
         self.holding: dict[asyncio.Future[Any], asyncio.Future[Any]] = {}  # a task -> the gathering task it holds
+        self.starting = 0  # task factory calls under way (an eager one runs the task's first step)
+        self.recheck = False  # a look for gathers is due on the loop's next turn (see parked_one)
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
@@ -229,7 +233,18 @@ class RankState:
             lv = self.liveness
             lv.blocked += 1
             lv.check()
+        elif self.starting:
+            # A task started eagerly (asyncio.eager_task_factory) parks before the task
+            # that created it awaits it: look for gathers once that task has yielded.
+            if not self.recheck:
+                self.recheck = True
+                self.world.loop.call_soon(self._recheck)
         elif self.helpers and self.task is not None and self.live - self.parked <= _GATHER_SCAN:
+            self._park_gatherers()
+
+    def _recheck(self) -> None:
+        self.recheck = False
+        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
             self._park_gatherers()
 
     def unparked(self) -> None:
@@ -238,21 +253,23 @@ class RankState:
         self.parked -= 1
 
     def _park_gatherers(self) -> None:
-        """Count as parked its tasks that await an ``asyncio.gather`` of its own tasks only.
+        """Count as parked its tasks that await one of its own tasks, or a gather of them only.
 
         Such a task cannot act before those tasks end, and they are counted themselves:
-        so a rank in ``await asyncio.gather(comm.all_reduce(a), comm.recv(b, src=1))`` is
-        blocked exactly when both ops wait, and a deadlock there is reported at once.
-        Runs when few of its tasks are left unparked, as one of them parks or ends: a
-        gather's tasks first run once the gathering task awaits it, so one that waits
-        in an op is seen. (A gather whose ops all waited before it was awaited, with no
-        task of the rank ending since, is not: its deadlock is reported at the timeout.)
+        so a rank in ``await asyncio.gather(comm.all_reduce(a), comm.recv(b, src=1))``
+        (or in ``await task`` of a task in ``recv``) is blocked exactly when the ops
+        wait, and a deadlock there is reported at once. Runs when few of its tasks are
+        left unparked, as one of them parks or ends: a gather's tasks first run once the
+        gathering task awaits it, so one that waits in an op is seen; tasks started
+        eagerly are looked at on the loop's next turn (see ``parked_one``). (Tasks that
+        all waited long before they were awaited, with no task of the rank ending since,
+        are not: their deadlock is reported at the timeout.)
         """
         found = []
         claimed: set[asyncio.Future[Any]] = set()
         gatherers: list[asyncio.Future[Any]] = []
         if len(self.helpers) <= _GATHER_HELPERS:  # (a look at each: not on every op of a rank of thousands)
-            gatherers = [t for t in self.helpers if isinstance(getattr(t, "_fut_waiter", None), _GatheringFuture)]
+            gatherers = [t for t in self.helpers if _awaits_own(t, self.helpers)]
         for task in (self.task, *gatherers):
             if task is None or task in self.gathering:
                 continue
@@ -278,6 +295,9 @@ class RankState:
         (a timer, I/O...), for nothing, or may end any moment: a child failed or was
         cancelled (the children done so far must have succeeded).
         """
+        if gather in self.helpers:  # (awaited directly)
+            assert gather is not None
+            return None if gather.done() else {gather}
         children = _children(gather)
         if children is None:
             return None
@@ -414,6 +434,13 @@ def _children(fut: asyncio.Future[Any] | None) -> Sequence[asyncio.Future[Any]] 
 
 _GatheringFuture: type = getattr(asyncio.tasks, "_GatheringFuture", type(None))
 
+
+def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) -> bool:
+    """Whether ``task`` awaits a gather, or one of ``helpers`` itself."""
+    waiter = _gathering(task)
+    return isinstance(waiter, _GatheringFuture) or waiter in helpers
+
+
 _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = weakref.WeakKeyDictionary()
 
 
@@ -421,12 +448,22 @@ def _task_factory(
     loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
 ) -> asyncio.Future[Any]:
     prev = _installed[loop][1]
-    task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
     st = _rank_var.get()
-    if st is not None and st.phase is Phase.RUNNING:
-        st._change(1, 0)
-        st.helpers.add(task)
-        task.add_done_callback(st._helper_done)
+    if st is None or st.phase is not Phase.RUNNING:
+        return prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+    # Live before it is made: a factory may run the task's first step at once
+    # (asyncio.eager_task_factory), and a rank whose task parks there is not blocked.
+    st._change(1, 0)
+    st.starting += 1
+    try:
+        task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+    except BaseException:
+        st._change(-1, 0)
+        raise
+    finally:
+        st.starting -= 1
+    st.helpers.add(task)
+    task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
     return task
 
 
@@ -789,6 +826,9 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
+        # the task factory that replaced the engine's while the ranks ran, when the tasks
+        # made since cannot be found (see count_all_tasks)
+        self.untracked: str | None = None
         # rendezvous whose calls disagree: reported once every rank has shown its call, or
         # once the ranks missing are stuck elsewhere (explain_stall)
         self._mismatched: list[Rendezvous] = []
@@ -1080,6 +1120,48 @@ class World:
         )
         err.__cause__ = asyncio.CancelledError()
         self.abort(work._rank.rank, err)
+
+    def count_all_tasks(self) -> bool:
+        """Make sure every task of the ranks is counted; false if that cannot be known.
+
+        The engine counts the tasks a rank makes through the loop's task factory (see
+        ``_task_factory``). A rank may replace it while it runs, as in
+        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``: the tasks
+        made since are found here by the rank in their context, and the engine's factory
+        goes back in front of the new one. Python 3.11 cannot read a task's context:
+        deadlocks are then left to the timeout. Runs only when every rank looks blocked.
+        """
+        if self.untracked is not None:
+            return False
+        loop = self.loop
+        factory = loop.get_task_factory()
+        if factory is _task_factory or all(st.task is None for st in self.ranks):
+            return True  # (sync ranks make no tasks)
+        entry = _installed.get(loop)
+        if entry is None or threading.get_ident() != self.loop_thread:
+            self.untracked = repr(factory)
+            return False
+        known = {t for st in self.ranks for t in (st.task, *st.helpers)}
+        found: list[tuple[RankState, asyncio.Task[Any]]] = []
+        for task in asyncio.all_tasks(loop):
+            if task in known:
+                continue
+            get_context = getattr(task, "get_context", None)  # (Python 3.12+)
+            if get_context is None:
+                self.untracked = repr(factory)
+                return False
+            st = get_context().get(_rank_var)
+            if st is not None and st.world is self:
+                found.append((st, task))
+        entry[1] = factory  # the engine's factory calls it from now on, and puts it back at the end
+        loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
+        for st, task in found:
+            st._change(1, 0)
+            st.helpers.add(task)
+            task.add_done_callback(st._helper_done)
+        for st in {st for st, _ in found}:
+            st._recheck()  # a task that awaits the ones found may wait for nothing else
+        return True
 
     def explain_stall(self) -> bool:
         """Every live rank waits: report the mismatched collective behind it, if any (true if so).

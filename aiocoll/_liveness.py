@@ -76,6 +76,10 @@ class _Engine(Protocol):
         """Every live rank waits: fail what explains it better than a deadlock (a mismatch); true if it did."""
         ...
 
+    def count_all_tasks(self) -> bool:
+        """Make sure every task of the ranks is counted (the counts may grow); false if that cannot be known."""
+        ...
+
 
 class Liveness:
     """The world's count of live and blocked ranks; reports a deadlock when they are equal and nothing moves.
@@ -104,6 +108,12 @@ class Liveness:
         world = self._world
         if self.in_flight or world.aborted is not None or world.explain_stall():
             return
+        # Tasks made out of the engine's sight may be running: count them (which may
+        # report the deadlock from within), or leave it to the timeout if they cannot be.
+        if not world.count_all_tasks() or self.blocked != self.live or world.aborted is not None:
+            return
+        if not world.count_all_tasks() or self.blocked != self.live:
+            return  # tasks made out of the engine's sight, or found now to be running
         message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
         first: DeadlockError | None = None
         for st in world.ranks:

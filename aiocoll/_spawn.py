@@ -334,6 +334,11 @@ async def run_world(
         runners: list[asyncio.Future[Any]]
         if _is_async(fn):
             afn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], fn)
+            # Every rank is live before the first task is made: a task factory may run
+            # a task's first step at once (asyncio.eager_task_factory), and a rank that
+            # waits there for the ranks not made yet is not deadlocked.
+            for st in local:
+                st.enter()
             by_rank = {
                 st.rank: loop.create_task(
                     _run_rank(w, st, afn, sessions[st.rank], failures), name=f"aiocoll rank {st.rank}"
@@ -362,11 +367,12 @@ async def run_world(
                     # waits for it to take the GIL, which a running rank would hold.
                     w.turns.start(st.rank for st in order)
         for st, r in zip(local, runners, strict=True):
-            # Count each rank live from now, not from its first step: a rank whose task
-            # has not started yet is not absent.
             st.task = r if isinstance(r, asyncio.Task) else None
-            if w.turns is None:  # (a rank thread taking turns entered above, and leaves in its own thread)
-                st.enter()
+            if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
+                if not _is_async(fn):
+                    # Count each rank live from now, not from its first step: a rank
+                    # whose thread has not started yet is not absent.
+                    st.enter()
                 r.add_done_callback(st._task_done)
         try:
             await asyncio.wait(runners)
@@ -416,6 +422,12 @@ async def run_world(
         exc = _report(w, failures)
         for line in detached:
             exc.add_note(f"aiocoll: {line}")
+        if w.untracked is not None:
+            exc.add_note(
+                f"aiocoll: a rank replaced the loop's task factory (with {w.untracked}), and the tasks"
+                " made through it could not be told apart (Python 3.11 cannot read a task's context):"
+                " deadlocks were left to the timeout. Set the factory before spawn_async, or use Python 3.12+"
+            )
         dumped = _frdump.on_failure(lambda prefix: _frdump.dump_world(w, prefix))
         if dumped is not None:
             exc.add_note(dumped)

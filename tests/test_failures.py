@@ -566,6 +566,44 @@ def test_deadlock_inside_nested_gathers_is_detected(loop: str) -> None:
     assert "barrier()" in _rank_line(msg, 1)
 
 
+def test_deadlock_awaiting_a_task_of_the_rank_is_detected(loop: str) -> None:
+    # rank 0's own task awaits a task of its, which waits in a recv; and a chain of two
+    async def recv_from_1(comm: Comm) -> None:
+        await comm.recv(torch.empty(1), src=1)
+
+    async def via(comm: Comm) -> None:
+        await asyncio.create_task(recv_from_1(comm))
+
+    for body in (recv_from_1, via):
+
+        async def fn(comm: Comm) -> None:
+            if comm.rank == 0:
+                await asyncio.create_task(body(comm))  # noqa: B023 (the loop waits for each spawn)
+
+        msg = _deadlock(fn, 2, loop)
+        assert "blocked in recv(float32[1], src=1, tag=0)" in _rank_line(msg, 0)
+        assert "returned" in _rank_line(msg, 1)
+
+
+def test_awaiting_a_task_whose_op_completes_later_is_no_deadlock(loop: str) -> None:
+    # rank 0 awaits its task in recv while rank 1 still sleeps: blocked, not deadlocked
+    async def fn(comm: Comm) -> float:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+
+            async def recv() -> None:
+                await comm.recv(got, src=1)
+
+            await asyncio.create_task(recv())
+        else:
+            await asyncio.sleep(0.05)
+            await comm.send(torch.full((1,), 4.0), dst=0)
+        return got.item()
+
+    out, _ = _outcome(fn, 2, loop)
+    assert out == [4.0, 0.0], out
+
+
 def test_gathered_ops_that_complete_are_no_deadlock(loop: str) -> None:
     # each rank's ops wait in turn while the others' tasks still run: never all blocked
     async def fn(comm: Comm) -> list[float]:

@@ -1,0 +1,203 @@
+"""Ranks on a loop with a task factory of its own: eager tasks, and a factory replaced while the ranks run.
+
+The engine counts a rank's tasks through the loop's task factory, to tell a blocked rank
+from a busy one. ``asyncio.eager_task_factory`` (Python 3.12+) runs a task's first step
+inside ``create_task``, before the caller gets the task; a rank may also set a factory
+of its own in the middle of ``spawn``. Neither may turn a live rank into a reported
+deadlock, nor hide a real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+import aiocoll
+from aiocoll import Comm
+
+needs_eager = pytest.mark.skipif(sys.version_info < (3, 12), reason="asyncio.eager_task_factory is new in Python 3.12")
+FAST = 5.0  # seconds: a deadlock reported at once, not at the timeout
+
+RankFn = Callable[[Comm], Coroutine[Any, Any, Any]]
+
+
+def _eager_spawn(fn: RankFn, world: int, timeout: float = 60.0) -> list[Any]:
+    """``spawn_async`` on a loop whose task factory is ``asyncio.eager_task_factory``."""
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+        try:
+            return await aiocoll.spawn_async(fn, world=world, timeout=timeout)
+        finally:
+            assert loop.get_task_factory() is asyncio.eager_task_factory  # type: ignore[attr-defined]
+
+    return asyncio.run(main())
+
+
+def _counting_factory(made: list[str]) -> Any:
+    """A task factory of a user's, which notes the name of each coroutine it makes a task of."""
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    return factory
+
+
+# -- an eager factory set before spawn_async ----------------------------------------
+
+
+@needs_eager
+def test_a_rank_that_waits_in_its_first_step_is_not_deadlocked() -> None:
+    # rank 0's task runs to its all_reduce inside create_task, before rank 1's task exists
+    async def fn(comm: Comm) -> float:
+        if comm.rank == 1:
+            await asyncio.sleep(0.01)
+        t = torch.full((2,), float(comm.rank + 1))
+        await comm.all_reduce(t)
+        return t[0].item()
+
+    assert _eager_spawn(fn, world=2) == [3.0, 3.0]
+
+
+@needs_eager
+def test_a_task_that_waits_in_its_first_step_keeps_its_rank_live() -> None:
+    # the helper waits in recv before create_task returns; rank 0's own task goes on
+    async def fn(comm: Comm) -> list[float]:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+            helper = asyncio.create_task(_recv(comm, got, src=1))
+            await asyncio.sleep(0.05)
+            await comm.send(torch.full((1,), 5.0), dst=1)
+            await helper
+        else:
+            await comm.recv(got, src=0)
+            await comm.send(got * 2, dst=0)
+        return got.tolist()
+
+    assert _eager_spawn(fn, world=2) == [[10.0], [5.0]]
+
+
+async def _recv(comm: Comm, t: torch.Tensor, src: int) -> None:
+    await comm.recv(t, src=src)
+
+
+@needs_eager
+def test_deadlock_in_a_gather_of_eager_tasks_is_reported_at_once() -> None:
+    # every gathered op waits before the gather is awaited (its tasks started eagerly)
+    async def fn(comm: Comm) -> None:
+        t = torch.ones(1)
+        if comm.rank == 0:
+            await asyncio.gather(comm.all_reduce(t), comm.recv(torch.empty(1), src=1))
+        else:
+            await comm.all_reduce(t)
+
+    start = time.monotonic()
+    with pytest.raises(aiocoll.DeadlockError) as info:
+        _eager_spawn(fn, world=2)
+    assert time.monotonic() - start < FAST
+    assert "rank 0: blocked in recv(float32[1], src=1, tag=0)" in str(info.value)
+
+
+@needs_eager
+def test_eager_tasks_done_in_their_first_step_leave_the_counts_right() -> None:
+    # 50 tasks end inside create_task; a deadlock after them is still seen at once
+    async def noop() -> int:
+        return 1
+
+    async def fn(comm: Comm) -> None:
+        done = [asyncio.create_task(noop()) for _ in range(50)]
+        assert all(t.done() for t in done)  # the factory did run them eagerly
+        await comm.barrier()
+        if comm.rank == 0:
+            await comm.recv(torch.empty(1), src=1)
+
+    start = time.monotonic()
+    with pytest.raises(aiocoll.DeadlockError):
+        _eager_spawn(fn, world=2)
+    assert time.monotonic() - start < FAST
+
+
+# -- a factory set by a rank while the world runs -----------------------------------
+
+
+def _replace_factory(factory: Any) -> None:
+    asyncio.get_running_loop().set_task_factory(factory)
+
+
+async def _helper_sends_late(comm: Comm) -> None:
+    await asyncio.sleep(0.05)
+    await comm.send(torch.full((1,), 7.0), dst=1)
+
+
+def test_tasks_made_by_a_factory_set_in_a_rank_keep_it_live() -> None:
+    # rank 0 waits in recv while a task made through the new factory has yet to send:
+    # every rank looks blocked for 50 ms, and none is
+    made: list[str] = []
+
+    async def fn(comm: Comm) -> float:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+            _replace_factory(_counting_factory(made))
+            helper = asyncio.create_task(_helper_sends_late(comm))
+            await comm.recv(got, src=1)
+            await helper
+            await asyncio.create_task(_nothing())  # made through the new factory still
+        else:
+            await comm.recv(got, src=0)
+            await comm.send(got + 1, dst=0)
+        return got.item()
+
+    assert aiocoll.spawn(fn, world=2, loop="asyncio") == [8.0, 7.0]
+    assert {"_helper_sends_late", "_nothing"} <= set(made)
+
+
+async def _nothing() -> None:
+    pass
+
+
+def test_deadlock_after_a_rank_set_a_factory() -> None:
+    # rank 0's task waits for a helper made through its own factory, which waits in a
+    # recv that rank 1 (returned) never answers
+    async def fn(comm: Comm) -> None:
+        if comm.rank == 0:
+            _replace_factory(_counting_factory([]))
+            await asyncio.create_task(_recv(comm, torch.empty(1), src=1))
+
+    start = time.monotonic()
+    if sys.version_info >= (3, 12):
+        with pytest.raises(aiocoll.DeadlockError) as info:
+            aiocoll.spawn(fn, world=2, loop="asyncio", timeout=60.0)
+        assert time.monotonic() - start < FAST
+        assert "rank 1: returned" in str(info.value)
+    else:
+        # Python 3.11 cannot tell whose tasks they are: the timeout reports it, and says why
+        with pytest.raises(aiocoll.CollectiveTimeoutError) as timed_out:
+            aiocoll.spawn(fn, world=2, loop="asyncio", timeout=1.0)
+        notes = "\n".join(timed_out.value.__notes__)
+        assert "replaced the loop's task factory" in notes
+
+
+@needs_eager
+def test_an_eager_factory_set_in_a_rank() -> None:
+    # what a user of spawn does to get eager tasks: set the factory in the rank itself
+    async def fn(comm: Comm) -> list[float]:
+        _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+        t = torch.ones(1)
+        got = torch.zeros(1)
+        peer = 1 - comm.rank
+        helper = asyncio.create_task(_recv(comm, got, src=peer))
+        assert not helper.done()  # it waits in its recv already
+        await asyncio.sleep(0.02 * comm.rank)
+        await asyncio.gather(comm.send(t * (comm.rank + 1), dst=peer), comm.all_reduce(t))
+        await helper
+        return [t.item(), got.item()]
+
+    assert aiocoll.spawn(fn, world=2, loop="asyncio") == [[2.0, 2.0], [2.0, 1.0]]
