@@ -294,13 +294,13 @@ def test_rank_cancelled_in_collective_aborts_the_others(loop: str) -> None:
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        aiocoll.spawn(fn, world=3, loop=loop, timeout=1.0)
+        aiocoll.spawn(fn, world=3, loop=loop, timeout=5.0)
     elapsed = time.monotonic() - t0
     assert isinstance(got[2], WorldAbortedError), f"rank 2 got {got[2]!r}"
     assert got[2].rank == 0
     assert "cancelled" in str(got[2])
     assert isinstance(got[1], asyncio.CancelledError)
-    assert elapsed < 0.9  # released when rank 0 gave up, not at the 1 s collective timeout
+    assert elapsed < 4.0  # released when rank 0 gave up, not at the 5 s collective timeout
 
 
 # -- KeyboardInterrupt -------------------------------------------------------------------
