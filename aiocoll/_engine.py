@@ -408,9 +408,10 @@ class RankState:
 # -- tracking the tasks a rank creates ---------------------------------------------
 
 # When a rank's gathers are looked for: once at most this many of its tasks are left
-# unparked (so at most this many tasks, each awaiting a gather, are found; nested gathers
-# count as one), and among its helper tasks only while it has at most _GATHER_HELPERS of
-# them (its main task is always looked at). Past that a deadlock is reported at the timeout.
+# unparked (so at most this many tasks, each awaiting a gather or a task of the rank, are
+# found; nested gathers count as one), and among its helper tasks only while it has at
+# most _GATHER_HELPERS of them (its main task is always looked at). Past that a deadlock
+# is reported at the timeout.
 _GATHER_SCAN = 8
 _GATHER_HELPERS = 32
 
@@ -434,6 +435,9 @@ def _children(fut: asyncio.Future[Any] | None) -> Sequence[asyncio.Future[Any]] 
 
 _GatheringFuture: type = getattr(asyncio.tasks, "_GatheringFuture", type(None))
 
+# Whether a task's context can be read (Task.get_context, Python 3.12+).
+_CONTEXTS = hasattr(asyncio.Task, "get_context")
+
 
 def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) -> bool:
     """Whether ``task`` awaits a gather, or one of ``helpers`` itself."""
@@ -447,7 +451,9 @@ _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = we
 def _task_factory(
     loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
 ) -> asyncio.Future[Any]:
-    prev = _installed[loop][1]
+    entry = _installed.get(loop)
+    # (none: a factory that wrapped this one outlived the world)
+    prev = entry[1] if entry is not None else None
     st = _rank_var.get()
     if st is None or st.phase is not Phase.RUNNING:
         return prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
@@ -826,6 +832,7 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
+        self.async_ranks = False  # whether its ranks are tasks (and make tasks)
         # the task factory that replaced the engine's while the ranks ran, when the tasks
         # made since cannot be found (see count_all_tasks)
         self.untracked: str | None = None
@@ -1125,40 +1132,48 @@ class World:
         """Make sure every task of the ranks is counted; false if that cannot be known.
 
         The engine counts the tasks a rank makes through the loop's task factory (see
-        ``_task_factory``). A rank may replace it while it runs, as in
-        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``: the tasks
-        made since are found here by the rank in their context, and the engine's factory
-        goes back in front of the new one. Python 3.11 cannot read a task's context:
-        deadlocks are then left to the timeout. Runs only when every rank looks blocked.
+        ``_task_factory``). A rank may set another one while it runs, as in
+        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn`` (and may
+        put the old one back): the tasks made through it are found here by the rank in
+        their context, and counted from now on. Python 3.11 cannot read a task's
+        context: a world whose factory was replaced leaves its deadlocks to the timeout.
+        Runs only when every rank looks blocked.
         """
-        if self.untracked is not None:
-            return False
-        loop = self.loop
-        factory = loop.get_task_factory()
-        if factory is _task_factory or all(st.task is None for st in self.ranks):
-            return True  # (sync ranks make no tasks)
-        entry = _installed.get(loop)
-        if entry is None or threading.get_ident() != self.loop_thread:
+        if not self.async_ranks or self.untracked is not None:
+            return self.untracked is None  # (sync ranks make no tasks)
+        if threading.get_ident() != self.loop_thread:
+            return True  # (the loop's tasks are read on its thread only, where async ranks run)
+        if not _CONTEXTS:
+            factory = self.loop.get_task_factory()
+            if factory is _task_factory:
+                return True
             self.untracked = repr(factory)
             return False
-        known = {t for st in self.ranks for t in (st.task, *st.helpers)}
         found: list[tuple[RankState, asyncio.Task[Any]]] = []
-        for task in asyncio.all_tasks(loop):
-            if task in known:
-                continue
-            get_context = getattr(task, "get_context", None)  # (Python 3.12+)
-            if get_context is None:
-                self.untracked = repr(factory)
-                return False
-            st = get_context().get(_rank_var)
-            if st is not None and st.world is self:
+        for task in asyncio.all_tasks(self.loop):
+            get_context = getattr(task, "get_context", None)  # (a task class of some other library may lack it)
+            st = get_context().get(_rank_var) if get_context is not None else None
+            # (as _task_factory counts them; a task a factory call is making is counted
+            # already, and in no set yet)
+            if (
+                st is not None
+                and st.world is self
+                and st.phase is Phase.RUNNING
+                and not st.starting
+                and task is not st.task
+                and task not in st.helpers
+            ):
                 found.append((st, task))
-        entry[1] = factory  # the engine's factory calls it from now on, and puts it back at the end
-        loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
+        if not found:
+            return True
         for st, task in found:
-            st._change(1, 0)
+            st.live += 1
             st.helpers.add(task)
             task.add_done_callback(st._helper_done)
+        # Its tasks parked uncounted, so the world's totals may be off: count them again.
+        lv = self.liveness
+        lv.live = sum(st.live > 0 for st in self.ranks)
+        lv.blocked = sum(st.blocked for st in self.ranks)
         for st in {st for st, _ in found}:
             st._recheck()  # a task that awaits the ones found may wait for nothing else
         return True

@@ -112,8 +112,6 @@ class Liveness:
         # report the deadlock from within), or leave it to the timeout if they cannot be.
         if not world.count_all_tasks() or self.blocked != self.live or world.aborted is not None:
             return
-        if not world.count_all_tasks() or self.blocked != self.live:
-            return  # tasks made out of the engine's sight, or found now to be running
         message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
         first: DeadlockError | None = None
         for st in world.ranks:

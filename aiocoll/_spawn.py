@@ -374,6 +374,8 @@ async def run_world(
                     # whose thread has not started yet is not absent.
                     st.enter()
                 r.add_done_callback(st._task_done)
+        # (from now on: a rank's own task is known to be no helper of it)
+        w.async_ranks = _is_async(fn)
         try:
             await asyncio.wait(runners)
             # tasks a rank created and left running would outlive the world

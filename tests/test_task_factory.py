@@ -201,3 +201,105 @@ def test_an_eager_factory_set_in_a_rank() -> None:
         return [t.item(), got.item()]
 
     assert aiocoll.spawn(fn, world=2, loop="asyncio") == [[2.0, 2.0], [2.0, 1.0]]
+
+
+@needs_eager
+def test_two_tasks_that_park_before_any_check_are_counted_once() -> None:
+    # both wait in recv before the engine first looks: its totals were off by one
+    async def fn(comm: Comm) -> float:
+        if comm.rank == 0:
+            _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+            a, b = torch.zeros(1), torch.zeros(1)
+            helpers = [asyncio.create_task(_recv(comm, a, 1)), asyncio.create_task(_recv(comm, b, 1))]
+            await asyncio.sleep(0.05)  # every rank looks blocked meanwhile
+            await comm.send(torch.ones(1), dst=1)
+            await asyncio.gather(*helpers)
+            return a.item() + b.item()
+        x = torch.zeros(1)
+        await comm.recv(x, src=0)
+        await comm.send(x, dst=0)
+        await comm.send(x * 2, dst=0)
+        return x.item()
+
+    assert aiocoll.spawn(fn, world=2, loop="asyncio") == [3.0, 1.0]
+
+
+@needs_eager
+def test_a_factory_set_for_a_moment_and_put_back() -> None:
+    # the task made meanwhile is found although the engine's factory is back in place
+    async def fn(comm: Comm) -> float:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+            loop = asyncio.get_running_loop()
+            old = loop.get_task_factory()
+            loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+            helper = asyncio.create_task(_recv(comm, got, 1))
+            loop.set_task_factory(old)
+            await asyncio.sleep(0.05)
+            await comm.send(torch.ones(1), dst=1)
+            await helper
+        else:
+            await comm.recv(got, src=0)
+            await comm.send(got + 1, dst=0)
+        return got.item()
+
+    assert aiocoll.spawn(fn, world=2, loop="asyncio") == [2.0, 1.0]
+
+
+def test_a_factory_that_wraps_the_engines_and_outlives_the_world() -> None:
+    # a tracing factory calls the one it replaced (aiocoll's): a deadlock is still
+    # reported, tasks are still made after it, and after the world ends
+    made: list[str] = []
+
+    async def fn(comm: Comm) -> str:
+        loop = asyncio.get_running_loop()
+        if comm.rank == 0:
+            inner = loop.get_task_factory()
+            assert inner is not None
+
+            def tracing(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> Any:
+                made.append(coro.__qualname__)
+                return inner(loop, coro, **kwargs)
+
+            loop.set_task_factory(tracing)
+        try:
+            await comm.recv(torch.empty(1), src=1 - comm.rank)  # both ranks: a deadlock
+        except aiocoll.DeadlockError as e:
+            caught = type(e).__name__
+        await asyncio.create_task(_nothing())
+        return caught
+
+    async def main(timeout: float) -> tuple[list[str], float]:
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        try:
+            caught = await aiocoll.spawn_async(fn, world=2, timeout=timeout)
+            took = time.monotonic() - start
+            await asyncio.create_task(_nothing())  # the rank's factory is still the loop's
+        finally:
+            loop.set_task_factory(None)
+        return caught, took
+
+    if sys.version_info >= (3, 12):
+        caught, took = asyncio.run(main(timeout=60.0))
+        assert caught == ["DeadlockError", "DeadlockError"]
+        assert took < FAST
+        assert made.count("_nothing") == 3
+    else:
+        # 3.11 cannot tell that the new factory still counts the tasks: the timeout reports it
+        with pytest.raises(aiocoll.CollectiveTimeoutError) as info:
+            asyncio.run(main(timeout=1.0))
+        assert "replaced the loop's task factory" in "\n".join(info.value.__notes__)
+
+
+@needs_eager
+def test_deadlock_in_the_first_step_of_every_rank_is_reported_at_once() -> None:
+    # the last rank's task blocks inside create_task, as spawn_async makes it
+    async def fn(comm: Comm) -> None:
+        await comm.recv(torch.empty(1), src=(comm.rank + 1) % comm.world_size)
+
+    start = time.monotonic()
+    with pytest.raises(aiocoll.DeadlockError) as info:
+        _eager_spawn(fn, world=3)
+    assert time.monotonic() - start < FAST
+    assert all(f"rank {r}: blocked in recv" in str(info.value) for r in range(3))
