@@ -445,50 +445,95 @@ def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) ->
     return isinstance(waiter, _GatheringFuture) or waiter in helpers
 
 
-_installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = weakref.WeakKeyDictionary()
+class _Factory:
+    """What the engine's task factory wraps on one loop, and how many worlds use it."""
+
+    __slots__ = ("base", "making", "prev", "worlds")
+
+    def __init__(self, base: Any) -> None:
+        self.worlds = 0
+        self.prev = base  # the factory it calls (None: asyncio.Task)
+        # the loop's factory before aiocoll first wrapped it: what a factory that wraps
+        # the engine's gets when it calls it back (see _task_factory)
+        self.base = base
+        self.making: set[int] = set()  # ids of the coroutines whose tasks prev is making
+
+    def __repr__(self) -> str:
+        return f"<_Factory worlds={self.worlds} prev={self.prev!r}>"
+
+
+_installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Factory] = weakref.WeakKeyDictionary()
+
+
+def _make(
+    factory: Any, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+) -> asyncio.Future[Any]:
+    if factory is None:
+        return asyncio.Task(coro, loop=loop, **kwargs)
+    task: asyncio.Future[Any] = factory(loop, coro, **kwargs)
+    return task
 
 
 def _task_factory(
     loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
 ) -> asyncio.Future[Any]:
-    entry = _installed.get(loop)
-    # (none: a factory that wrapped this one outlived the world)
-    prev = entry[1] if entry is not None else None
+    f = _installed.get(loop)
+    if f is None:
+        return _make(None, loop, coro, **kwargs)
+    key = id(coro)
+    if key in f.making:
+        # A factory a rank set, which wraps this one, called it back: the outer call
+        # counts the task; make it as the loop did before (not through prev again)
+        return _make(f.base, loop, coro, **kwargs)
     st = _rank_var.get()
-    if st is None or st.phase is not Phase.RUNNING:
-        return prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
-    # Live before it is made: a factory may run the task's first step at once
-    # (asyncio.eager_task_factory), and a rank whose task parks there is not blocked.
-    st._change(1, 0)
-    st.starting += 1
+    counted = st is not None and st.phase is Phase.RUNNING
+    if counted:
+        assert st is not None
+        # Live before it is made: a factory may run the task's first step at once
+        # (asyncio.eager_task_factory), and a rank whose task parks there is not blocked.
+        st._change(1, 0)
+        st.starting += 1
+    f.making.add(key)
     try:
-        task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+        task = _make(f.prev, loop, coro, **kwargs)
     except BaseException:
-        st._change(-1, 0)
+        if counted:
+            assert st is not None
+            st._change(-1, 0)
         raise
     finally:
-        st.starting -= 1
-    st.helpers.add(task)
-    task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
+        f.making.discard(key)
+        if counted:
+            assert st is not None
+            st.starting -= 1
+    if counted:
+        assert st is not None
+        if task in st.helpers:
+            st._change(-1, 0)  # found by count_all_tasks in its first step, and counted then
+        else:
+            st.helpers.add(task)
+            task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
     return task
 
 
 def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
-    entry = _installed.get(loop)
-    if entry is None:
-        _installed[loop] = [1, loop.get_task_factory()]
+    current = loop.get_task_factory()
+    f = _installed.get(loop)
+    if f is None:
+        f = _installed[loop] = _Factory(None if current is _task_factory else current)
+    if f.worlds == 0 and current is not _task_factory:
+        # (a factory a rank of an earlier world left may call the engine's: see _task_factory)
+        f.prev = current
         loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
-    else:
-        entry[0] += 1
+    f.worlds += 1
 
 
 def _uninstall_factory(loop: asyncio.AbstractEventLoop) -> None:
-    entry = _installed[loop]
-    entry[0] -= 1
-    if entry[0] == 0:
-        del _installed[loop]
-        if loop.get_task_factory() is _task_factory:
-            loop.set_task_factory(entry[1])
+    f = _installed[loop]
+    f.worlds -= 1
+    # (a factory a rank set stays: it may call the engine's, which calls f.prev)
+    if f.worlds == 0 and loop.get_task_factory() is _task_factory:
+        loop.set_task_factory(f.prev)
 
 
 # -- Work ----------------------------------------------------------------------------
@@ -833,6 +878,7 @@ class World:
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
         self.async_ranks = False  # whether its ranks are tasks (and make tasks)
+        self.rank_coros: set[Any] = set()  # their coroutines: a rank's own task is no helper of it
         # the task factory that replaced the engine's while the ranks ran, when the tasks
         # made since cannot be found (see count_all_tasks)
         self.untracked: str | None = None
@@ -1115,6 +1161,10 @@ class World:
                 if t is not None and not t.done():
                     t.cancel(msg)
                     out.append(t)
+        if _CONTEXTS and self.async_ranks and threading.get_ident() == self.loop_thread:
+            for _, task in self._tasks_of_ranks():  # (made through a factory a rank set)
+                task.cancel(msg)
+                out.append(task)
         return out
 
     def _cancelled(self, work: EngineWork) -> None:
@@ -1133,50 +1183,54 @@ class World:
 
         The engine counts the tasks a rank makes through the loop's task factory (see
         ``_task_factory``). A rank may set another one while it runs, as in
-        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn`` (and may
-        put the old one back): the tasks made through it are found here by the rank in
+        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``, and may
+        put the old one back: the tasks made through it are found here by the rank in
         their context, and counted from now on. Python 3.11 cannot read a task's
-        context: a world whose factory was replaced leaves its deadlocks to the timeout.
-        Runs only when every rank looks blocked.
+        context: a world whose factory is another one here leaves its deadlocks to the
+        timeout. Runs only when every rank looks blocked.
         """
-        if not self.async_ranks or self.untracked is not None:
-            return self.untracked is None  # (sync ranks make no tasks)
-        if threading.get_ident() != self.loop_thread:
-            return True  # (the loop's tasks are read on its thread only, where async ranks run)
-        if not _CONTEXTS:
-            factory = self.loop.get_task_factory()
-            if factory is _task_factory:
-                return True
-            self.untracked = repr(factory)
-            return False
+        if not self.async_ranks or threading.get_ident() != self.loop_thread:
+            return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
         found: list[tuple[RankState, asyncio.Task[Any]]] = []
-        for task in asyncio.all_tasks(self.loop):
-            get_context = getattr(task, "get_context", None)  # (a task class of some other library may lack it)
-            st = get_context().get(_rank_var) if get_context is not None else None
-            # (as _task_factory counts them; a task a factory call is making is counted
-            # already, and in no set yet)
-            if (
-                st is not None
-                and st.world is self
-                and st.phase is Phase.RUNNING
-                and not st.starting
-                and task is not st.task
-                and task not in st.helpers
-            ):
-                found.append((st, task))
-        if not found:
-            return True
+        if _CONTEXTS:
+            found = [(st, task) for st, task in self._tasks_of_ranks() if st.phase is Phase.RUNNING]
+        elif self.untracked is None and (factory := self.loop.get_task_factory()) is not _task_factory:
+            self.untracked = repr(factory)
+        if self.untracked is not None:
+            return False
         for st, task in found:
             st.live += 1
             st.helpers.add(task)
             task.add_done_callback(st._helper_done)
-        # Its tasks parked uncounted, so the world's totals may be off: count them again.
+        # Tasks out of sight that parked leave the world's totals off: count them again.
         lv = self.liveness
         lv.live = sum(st.live > 0 for st in self.ranks)
         lv.blocked = sum(st.blocked for st in self.ranks)
         for st in {st for st, _ in found}:
             st._recheck()  # a task that awaits the ones found may wait for nothing else
+            if not st.recheck:  # (or will, once the task that made them in its first step awaits them)
+                st.recheck = True
+                self.loop.call_soon(st._recheck)
         return True
+
+    def _tasks_of_ranks(self) -> list[tuple[RankState, asyncio.Task[Any]]]:
+        """The tasks made for this world's ranks out of the engine's sight, each with its rank (Python 3.12+).
+
+        Found by the rank in their context: a task's context is a copy of its maker's.
+        """
+        out = []
+        for task in asyncio.all_tasks(self.loop):
+            get_context = getattr(task, "get_context", None)  # (a task class of some other library may lack it)
+            st = get_context().get(_rank_var) if get_context is not None else None
+            if (
+                st is not None
+                and st.world is self
+                and task not in st.helpers
+                and task is not st.task
+                and task.get_coro() not in self.rank_coros
+            ):
+                out.append((st, task))
+        return out
 
     def explain_stall(self) -> bool:
         """Every live rank waits: report the mismatched collective behind it, if any (true if so).

@@ -103,8 +103,9 @@ class Liveness:
 
         Called when a rank becomes blocked or stops being live, and when an op in flight ends.
         """
-        if self.blocked != self.live or self.live == 0:
+        if self.blocked < self.live or self.live == 0:
             return  # the common case: some rank can still make a call
+        # (more blocked than live: tasks made out of the engine's sight parked; see below)
         world = self._world
         if self.in_flight or world.aborted is not None or world.explain_stall():
             return

@@ -339,12 +339,10 @@ async def run_world(
             # waits there for the ranks not made yet is not deadlocked.
             for st in local:
                 st.enter()
-            by_rank = {
-                st.rank: loop.create_task(
-                    _run_rank(w, st, afn, sessions[st.rank], failures), name=f"aiocoll rank {st.rank}"
-                )
-                for st in order
-            }
+            coros = {st.rank: _run_rank(w, st, afn, sessions[st.rank], failures) for st in order}
+            w.rank_coros = set(coros.values())
+            w.async_ranks = True
+            by_rank = {st.rank: loop.create_task(coros[st.rank], name=f"aiocoll rank {st.rank}") for st in order}
             runners = [by_rank[st.rank] for st in local]
         else:
             if w.turns is not None:
@@ -374,8 +372,6 @@ async def run_world(
                     # whose thread has not started yet is not absent.
                     st.enter()
                 r.add_done_callback(st._task_done)
-        # (from now on: a rank's own task is known to be no helper of it)
-        w.async_ranks = _is_async(fn)
         try:
             await asyncio.wait(runners)
             # tasks a rank created and left running would outlive the world

@@ -303,3 +303,125 @@ def test_deadlock_in_the_first_step_of_every_rank_is_reported_at_once() -> None:
         _eager_spawn(fn, world=3)
     assert time.monotonic() - start < FAST
     assert all(f"rank {r}: blocked in recv" in str(info.value) for r in range(3))
+
+
+@needs_eager
+def test_every_rank_sets_a_factory_in_its_first_step() -> None:
+    # the rank tasks start eagerly under spawn_async, and each makes tasks that park at once
+    async def fn(comm: Comm) -> list[float]:
+        _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+        other = 1 - comm.rank
+
+        async def recv() -> float:
+            x = torch.zeros(1)
+            await comm.recv(x, src=other)
+            return x.item()
+
+        helpers = [asyncio.create_task(recv()) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        for i in range(2):
+            await comm.send(torch.full((1,), float(i)), dst=other)
+        return list(await asyncio.gather(*helpers))
+
+    assert _eager_spawn(fn, world=2) == [[0.0, 1.0], [0.0, 1.0]]
+
+
+@needs_eager
+def test_deadlock_in_a_task_awaited_after_an_eager_factory_set_in_a_rank() -> None:
+    # the task parks in its first step, found then; its rank awaits it a moment later
+    async def fn(comm: Comm) -> None:
+        _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+        await asyncio.create_task(_recv(comm, torch.zeros(1), src=1 - comm.rank))
+
+    start = time.monotonic()
+    with pytest.raises(aiocoll.DeadlockError):
+        aiocoll.spawn(fn, world=2, loop="asyncio", timeout=60.0)
+    assert time.monotonic() - start < FAST
+
+
+@needs_eager
+def test_a_factory_set_in_the_first_step_of_an_eager_task() -> None:
+    # rank 0's helper runs inside the engine's factory call and makes a task out of sight
+    async def fn(comm: Comm) -> float:
+        got = torch.zeros(1)
+        if comm.rank == 0:
+            await asyncio.sleep(0.05)  # rank 1 waits in recv meanwhile
+
+            async def helper() -> None:
+                loop = asyncio.get_running_loop()
+                old = loop.get_task_factory()
+                loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+                out_of_sight = asyncio.create_task(_recv(comm, torch.zeros(1), src=1))
+                loop.set_task_factory(old)
+                await comm.recv(got, src=1)
+                await out_of_sight
+
+            task = asyncio.create_task(helper())
+            await comm.send(torch.ones(1), dst=1)  # rank 0's own task can still act
+            await task
+        else:
+            await comm.recv(got, src=0)
+            await comm.send(got + 1, dst=0)
+            await comm.send(got + 2, dst=0)
+        return got.item()
+
+    assert _eager_spawn(fn, world=2) in ([2.0, 1.0], [3.0, 1.0])
+
+
+@needs_eager
+def test_worlds_after_one_whose_rank_left_a_wrapping_factory() -> None:
+    # the wrapper stays on the loop and calls the engine's factory: later worlds neither
+    # recurse nor lose the eager factory set before the first one
+    async def fn(comm: Comm) -> int:
+        if comm.rank == 0:
+            loop = asyncio.get_running_loop()
+            inner = loop.get_task_factory()
+            assert inner is not None
+
+            def tracing(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> Any:
+                return inner(loop, coro, **kwargs)
+
+            loop.set_task_factory(tracing)
+        await comm.barrier()
+        return await asyncio.create_task(_one())
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+        try:
+            out = [await aiocoll.spawn_async(fn, world=2)]
+            out.append(asyncio.create_task(_one()).done())  # eager still
+            out.append(await aiocoll.spawn_async(fn, world=2))
+            out.append(asyncio.create_task(_one()).done())
+            await asyncio.sleep(0)
+            return out
+        finally:
+            loop.set_task_factory(None)
+
+    assert asyncio.run(main()) == [[1, 1], True, [1, 1], True]
+
+
+async def _one() -> int:
+    return 1
+
+
+@needs_eager
+def test_tasks_made_out_of_sight_do_not_outlive_the_world() -> None:
+    ran: list[int] = []
+
+    async def fn(comm: Comm) -> None:
+        _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+
+        async def late() -> None:
+            await asyncio.sleep(0.2)
+            ran.append(comm.rank)
+
+        asyncio.create_task(late())  # noqa: RUF006 (left running on purpose)
+
+    async def main() -> None:
+        await aiocoll.spawn_async(fn, world=2)
+        await asyncio.sleep(0.4)
+        asyncio.get_running_loop().set_task_factory(None)
+
+    asyncio.run(main())
+    assert ran == []
