@@ -265,6 +265,15 @@ class RankState:
         all waited long before they were awaited, with no task of the rank ending since,
         are not: their deadlock is reported at the timeout.)
         """
+        main = self.task
+        if len(self.helpers) == 1 and main is not None and main not in self.gathering:
+            # the common shape, made short: its own task awaits its only task
+            waiter = _gathering(main)
+            if waiter is not None and waiter in self.helpers and not waiter.done():
+                self.gathering[main] = 1
+                self.holding[waiter] = main
+                self._change(0, 1)
+                return
         found = []
         claimed: set[asyncio.Future[Any]] = set()
         gatherers: list[asyncio.Future[Any]] = []
@@ -284,7 +293,8 @@ class RankState:
                 self.holding[leaf] = task  # (no list per leaf: thousands of them would cost the GC)
             waiter = _gathering(task)
             assert waiter is not None
-            waiter.add_done_callback(functools.partial(self._gather_done, task))
+            if waiter not in self.helpers:  # (a task of the rank says so as it ends: _helper_done)
+                waiter.add_done_callback(functools.partial(self._gather_done, task))
         if found:
             self._change(0, len(found))
 
@@ -448,7 +458,7 @@ def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) ->
 class _Factory:
     """What the engine's task factory wraps on one loop, and how many worlds use it."""
 
-    __slots__ = ("base", "making", "prev", "worlds")
+    __slots__ = ("base", "guard", "making", "prev", "worlds")
 
     def __init__(self, base: Any) -> None:
         self.worlds = 0
@@ -456,7 +466,8 @@ class _Factory:
         # the loop's factory before aiocoll first wrapped it: what a factory that wraps
         # the engine's gets when it calls it back (see _task_factory)
         self.base = base
-        self.making: set[int] = set()  # ids of the coroutines whose tasks prev is making
+        self.guard = False  # whether prev may call the engine's factory back (it is not base)
+        self.making: set[int] = set()  # then: ids of the coroutines whose tasks prev is making
 
     def __repr__(self) -> str:
         return f"<_Factory worlds={self.worlds} prev={self.prev!r}>"
@@ -465,54 +476,44 @@ class _Factory:
 _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Factory] = weakref.WeakKeyDictionary()
 
 
-def _make(
-    factory: Any, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
-) -> asyncio.Future[Any]:
-    if factory is None:
-        return asyncio.Task(coro, loop=loop, **kwargs)
-    task: asyncio.Future[Any] = factory(loop, coro, **kwargs)
-    return task
-
-
 def _task_factory(
     loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
 ) -> asyncio.Future[Any]:
     f = _installed.get(loop)
-    if f is None:
-        return _make(None, loop, coro, **kwargs)
-    key = id(coro)
-    if key in f.making:
-        # A factory a rank set, which wraps this one, called it back: the outer call
-        # counts the task; make it as the loop did before (not through prev again)
-        return _make(f.base, loop, coro, **kwargs)
-    st = _rank_var.get()
-    counted = st is not None and st.phase is Phase.RUNNING
-    if counted:
-        assert st is not None
+    prev = f.prev if f is not None else None
+    key = 0
+    if f is not None and f.guard:  # (rare: prev may call this factory back)
+        if id(coro) in f.making:
+            prev = f.base  # called back: make it as the loop did before, not through prev again
+        else:
+            key = id(coro)
+            f.making.add(key)
+    try:
+        st = _rank_var.get()
+        task: asyncio.Future[Any]
+        if st is None or st.phase is not Phase.RUNNING:
+            task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+            return task
         # Live before it is made: a factory may run the task's first step at once
         # (asyncio.eager_task_factory), and a rank whose task parks there is not blocked.
         st._change(1, 0)
         st.starting += 1
-    f.making.add(key)
-    try:
-        task = _make(f.prev, loop, coro, **kwargs)
-    except BaseException:
-        if counted:
-            assert st is not None
+        try:
+            task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
+        except BaseException:
             st._change(-1, 0)
-        raise
-    finally:
-        f.making.discard(key)
-        if counted:
-            assert st is not None
+            raise
+        finally:
             st.starting -= 1
-    if counted:
-        assert st is not None
-        if task in st.helpers:
-            st._change(-1, 0)  # found by count_all_tasks in its first step, and counted then
-        else:
-            st.helpers.add(task)
-            task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
+    finally:
+        if key:
+            f.making.discard(key)  # type: ignore[union-attr]
+    if task in st.helpers:
+        # counted already: found by count_all_tasks in its first step, or made by a call back
+        st._change(-1, 0)
+    else:
+        st.helpers.add(task)
+        task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
     return task
 
 
@@ -522,8 +523,9 @@ def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
     if f is None:
         f = _installed[loop] = _Factory(None if current is _task_factory else current)
     if f.worlds == 0 and current is not _task_factory:
-        # (a factory a rank of an earlier world left may call the engine's: see _task_factory)
         f.prev = current
+        # (a factory a rank of an earlier world left may call the engine's back)
+        f.guard = current is not f.base
         loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
     f.worlds += 1
 

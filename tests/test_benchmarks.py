@@ -80,7 +80,7 @@ def test_bench_recorder_quick() -> None:
 
 
 def test_bench_gather_quick() -> None:
-    assert _off_on_row("bench_gather.py") == (["tasks", "ops"], ["20", "5"])
+    assert _off_on_row("bench_gather.py") == (["wait", "tasks", "ops"], ["gather", "20", "5"])
 
 
 BENCH_SUITE = BENCH_ALLREDUCE.parent / "bench_suite.py"
