@@ -456,21 +456,22 @@ def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) ->
 
 
 class _Factory:
-    """What the engine's task factory wraps on one loop, and how many worlds use it."""
+    """What the engine's task factory calls on one loop, and how many worlds use it."""
 
-    __slots__ = ("base", "guard", "making", "prev", "worlds")
+    __slots__ = ("base", "depth", "guard", "left", "prev", "worlds")
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self) -> None:
         self.worlds = 0
-        self.prev = base  # the factory it calls (None: asyncio.Task)
-        # the loop's factory before aiocoll first wrapped it: what a factory that wraps
-        # the engine's gets when it calls it back (see _task_factory)
-        self.base = base
-        self.guard = False  # whether prev may call the engine's factory back (it is not base)
-        self.making: set[int] = set()  # then: ids of the coroutines whose tasks prev is making
+        self.prev: Any = None  # the factory it calls (None: asyncio.Task)
+        # a factory a rank set and left on the loop as its world ended: it may call the
+        # engine's back (a wrapper of the one it found), which then calls base
+        self.left: Any = None
+        self.base: Any = None
+        self.guard = False  # whether prev is that factory
+        self.depth = 0  # then: calls of prev under way (a call back comes in meanwhile)
 
     def __repr__(self) -> str:
-        return f"<_Factory worlds={self.worlds} prev={self.prev!r}>"
+        return f"<_Factory worlds={self.worlds} prev={self.prev!r} left={self.left!r}>"
 
 
 _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Factory] = weakref.WeakKeyDictionary()
@@ -481,13 +482,15 @@ def _task_factory(
 ) -> asyncio.Future[Any]:
     f = _installed.get(loop)
     prev = f.prev if f is not None else None
-    key = 0
+    guarded = False
     if f is not None and f.guard:  # (rare: prev may call this factory back)
-        if id(coro) in f.making:
-            prev = f.base  # called back: make it as the loop did before, not through prev again
+        if f.depth:
+            # called back (or a task made in a first step meanwhile): make it as the
+            # loop did before, not through prev again
+            prev = f.base
         else:
-            key = id(coro)
-            f.making.add(key)
+            guarded = True
+            f.depth += 1
     try:
         st = _rank_var.get()
         task: asyncio.Future[Any]
@@ -506,8 +509,8 @@ def _task_factory(
         finally:
             st.starting -= 1
     finally:
-        if key:
-            f.making.discard(key)  # type: ignore[union-attr]
+        if guarded:
+            f.depth -= 1  # type: ignore[union-attr]
     if task in st.helpers:
         # counted already: found by count_all_tasks in its first step, or made by a call back
         st._change(-1, 0)
@@ -521,11 +524,10 @@ def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
     current = loop.get_task_factory()
     f = _installed.get(loop)
     if f is None:
-        f = _installed[loop] = _Factory(None if current is _task_factory else current)
+        f = _installed[loop] = _Factory()
     if f.worlds == 0 and current is not _task_factory:
         f.prev = current
-        # (a factory a rank of an earlier world left may call the engine's back)
-        f.guard = current is not f.base
+        f.guard = current is not None and current is f.left
         loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
     f.worlds += 1
 
@@ -533,9 +535,21 @@ def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
 def _uninstall_factory(loop: asyncio.AbstractEventLoop) -> None:
     f = _installed[loop]
     f.worlds -= 1
-    # (a factory a rank set stays: it may call the engine's, which calls f.prev)
-    if f.worlds == 0 and loop.get_task_factory() is _task_factory:
+    if f.worlds:
+        return
+    left = f.prev if f.guard else None  # a factory left before, which calls this one back
+    if left is not None:
+        f.prev, f.guard = f.base, False
+    current = loop.get_task_factory()
+    if current is not _task_factory:
+        # A rank left its factory on the loop: it may call this one, which goes on
+        # calling what it called (the entry stays for that)
+        f.left, f.base = current, f.prev
+    elif left is not None:
+        loop.set_task_factory(left)  # (it calls this one back, which calls base)
+    else:
         loop.set_task_factory(f.prev)
+        del _installed[loop]
 
 
 # -- Work ----------------------------------------------------------------------------
@@ -1195,7 +1209,8 @@ class World:
             return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
         found: list[tuple[RankState, asyncio.Task[Any]]] = []
         if _CONTEXTS:
-            found = [(st, task) for st, task in self._tasks_of_ranks() if st.phase is Phase.RUNNING]
+            # (a rank that returned may have tasks left, which still act for it)
+            found = [(st, t) for st, t in self._tasks_of_ranks() if st.phase in (Phase.RUNNING, Phase.RETURNED)]
         elif self.untracked is None and (factory := self.loop.get_task_factory()) is not _task_factory:
             self.untracked = repr(factory)
         if self.untracked is not None:

@@ -10,10 +10,9 @@ In a ``gather`` row each rank awaits ``asyncio.gather`` of ``tasks`` tasks that 
 time (``await asyncio.create_task(...)``), each of one ``all_reduce``. With the look on
 (the default), a deadlock among them is a ``DeadlockError`` at once; off
 (``aiocoll._engine._GATHER_SCAN = -1``, for this comparison only), it is reported at the
-timeout. Both run in the same process, alternating (off, on,
-off, on, ...); the table shows the medians over the repeats and the ratio on/off. Ranks
-that await their ops one at a time never look into a gather: ``bench_ceilings.py`` covers
-them.
+timeout. Both run in the same process, alternating (off, on, off, on, ...); the table
+shows the medians over the repeats and the ratio on/off. Ranks that await their ops
+themselves, one at a time, never look into a gather: ``bench_ceilings.py`` covers them.
 """
 
 from __future__ import annotations

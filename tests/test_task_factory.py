@@ -10,8 +10,10 @@ deadlock, nor hide a real one.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -425,3 +427,126 @@ def test_tasks_made_out_of_sight_do_not_outlive_the_world() -> None:
 
     asyncio.run(main())
     assert ran == []
+
+
+# -- worlds one after another on one loop ---------------------------------------------
+
+
+def _leave_a_wrapper(calls: list[int], wrap_coro: bool = False) -> None:
+    """Set a factory that calls the one it found (aiocoll's), as a tracing library would; it is left on the loop."""
+    loop = asyncio.get_running_loop()
+    inner = loop.get_task_factory()
+    assert inner is not None
+
+    def tracing(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> Any:
+        calls.append(1)
+        return inner(loop, _traced(coro) if wrap_coro else coro, **kwargs)
+
+    loop.set_task_factory(tracing)
+
+
+async def _traced(coro: Coroutine[Any, Any, Any]) -> Any:
+    return await coro
+
+
+@pytest.mark.parametrize("wrap_coro", [False, True], ids=["same-coroutine", "wrapped-coroutine"])
+def test_a_wrapper_left_by_a_rank_runs_once_per_task_in_later_worlds(wrap_coro: bool) -> None:
+    calls: list[int] = []
+
+    async def leave(comm: Comm) -> int:
+        if comm.rank == 0:
+            _leave_a_wrapper(calls, wrap_coro)
+        return await asyncio.create_task(_one())
+
+    async def later(comm: Comm) -> int:
+        return await asyncio.create_task(_one())
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        try:
+            out: list[Any] = [await aiocoll.spawn_async(leave, world=2)]
+            for _ in range(2):  # a world in front of the wrapper, then the wrapper alone
+                out.append(await aiocoll.spawn_async(later, world=2))
+                calls.clear()
+                await asyncio.create_task(_one())
+                out.append(len(calls))
+            return out
+        finally:
+            loop.set_task_factory(None)
+
+    assert asyncio.run(main()) == [[1, 1], [1, 1], 1, [1, 1], 1]
+
+
+@needs_eager
+def test_an_eager_factory_set_between_worlds_stays_behind_a_wrapper_left_later() -> None:
+    async def probe(comm: Comm) -> bool:
+        return asyncio.create_task(_one()).done()  # made eagerly: done at once
+
+    async def leave(comm: Comm) -> None:
+        if comm.rank == 0:
+            _leave_a_wrapper([])
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        try:
+            out: list[Any] = [await aiocoll.spawn_async(probe, world=2)]
+            loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+            out.append(await aiocoll.spawn_async(probe, world=2))
+            await aiocoll.spawn_async(leave, world=2)
+            out.append(asyncio.create_task(_one()).done())
+            out.append(await aiocoll.spawn_async(probe, world=2))
+            await asyncio.sleep(0)
+            return out
+        finally:
+            loop.set_task_factory(None)
+
+    assert asyncio.run(main()) == [[False, False], [True, True], True, [True, True]]
+
+
+def test_a_loop_whose_factory_refers_to_it_is_not_kept_alive() -> None:
+    class Tracer:
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
+
+        def factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> Any:
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def fn(comm: Comm) -> int:
+        return comm.rank
+
+    def one() -> weakref.ref[asyncio.AbstractEventLoop]:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.set_task_factory(Tracer(loop).factory)
+            assert loop.run_until_complete(aiocoll.spawn_async(fn, world=2)) == [0, 1]
+        finally:
+            loop.close()
+        return weakref.ref(loop)
+
+    refs = [one() for _ in range(3)]
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+@needs_eager
+@pytest.mark.parametrize("how", ["asyncio.Task", "eager factory"])
+def test_a_task_made_out_of_sight_by_a_rank_that_returned_still_counts(how: str) -> None:
+    # rank 0 returns, leaving a task that sends later; rank 1 waits for it meanwhile
+    async def fn(comm: Comm) -> float:
+        if comm.rank == 0:
+
+            async def later() -> None:
+                await asyncio.sleep(0.1)
+                await comm.send(torch.ones(1), dst=1)
+
+            if how == "asyncio.Task":
+                asyncio.Task(later())  # (past any factory)
+            else:
+                _replace_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+                asyncio.create_task(later())  # noqa: RUF006
+            return 0.0
+        x = torch.zeros(1)
+        await comm.recv(x, src=0)
+        return x.item()
+
+    assert aiocoll.spawn(fn, world=2, loop="asyncio") == [0.0, 1.0]
