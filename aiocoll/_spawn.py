@@ -422,9 +422,9 @@ async def run_world(
             exc.add_note(f"aiocoll: {line}")
         if w.untracked is not None:
             exc.add_note(
-                f"aiocoll: a rank replaced the loop's task factory (with {w.untracked}), and the tasks"
-                " made through it could not be told apart (Python 3.11 cannot read a task's context):"
-                " deadlocks were left to the timeout. Set the factory before spawn_async, or use Python 3.12+"
+                f"aiocoll: the loop's task factory was replaced while the ranks ran (by {w.untracked}),"
+                " and Python 3.11 cannot read a task's context to tell whose tasks it made: deadlocks"
+                " were left to the timeout. Set the factory before spawn_async, or use Python 3.12+"
             )
         dumped = _frdump.on_failure(lambda prefix: _frdump.dump_world(w, prefix))
         if dumped is not None:
