@@ -236,16 +236,24 @@ class RankState:
         elif self.starting:
             # A task started eagerly (asyncio.eager_task_factory) parks before the task
             # that created it awaits it: look for gathers once that task has yielded.
-            if not self.recheck:
-                self.recheck = True
-                self.world.loop.call_soon(self._recheck)
-        elif self.helpers and self.task is not None and self.live - self.parked <= _GATHER_SCAN:
+            self.recheck_soon()
+        else:
+            self.look_for_gatherers()
+
+    def look_for_gatherers(self) -> None:
+        """Run ``_park_gatherers`` if few of its tasks are left unparked (see ``_GATHER_SCAN``)."""
+        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
             self._park_gatherers()
+
+    def recheck_soon(self) -> None:
+        """Look for gathers on the loop's next turn, once the tasks running now have yielded."""
+        if not self.recheck:
+            self.recheck = True
+            self.world.loop.call_soon(self._recheck)
 
     def _recheck(self) -> None:
         self.recheck = False
-        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
-            self._park_gatherers()
+        self.look_for_gatherers()
 
     def unparked(self) -> None:
         if self.parked == self.live:
@@ -386,8 +394,7 @@ class RankState:
             else:
                 self.gathering[t] = left - 1
         self._change(-1, 0)
-        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
-            self._park_gatherers()  # a task that gathers the ones left may await it now
+        self.look_for_gatherers()  # a task that gathers the ones left may await it now
 
     def status(self) -> str:
         if self.phase is Phase.FAILED and self.error is not None:
@@ -893,8 +900,9 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
-        self.async_ranks = False  # whether its ranks are tasks (and make tasks)
-        self.rank_coros: set[Any] = set()  # their coroutines: a rank's own task is no helper of it
+        # the coroutines of its ranks' own tasks (none: its ranks are threads, which make no
+        # tasks); a rank's own task is no helper of it
+        self.rank_coros: set[Any] = set()
         # the task factory that replaced the engine's while the ranks ran, when the tasks
         # made since cannot be found (see count_all_tasks)
         self.untracked: str | None = None
@@ -1177,7 +1185,7 @@ class World:
                 if t is not None and not t.done():
                     t.cancel(msg)
                     out.append(t)
-        if _CONTEXTS and self.async_ranks and threading.get_ident() == self.loop_thread:
+        if _CONTEXTS and self.rank_coros and threading.get_ident() == self.loop_thread:
             for _, task in self._tasks_of_ranks():  # (made through a factory a rank set)
                 task.cancel(msg)
                 out.append(task)
@@ -1205,7 +1213,7 @@ class World:
         context: a world whose factory is another one here leaves its deadlocks to the
         timeout. Runs only when every rank looks blocked.
         """
-        if not self.async_ranks or threading.get_ident() != self.loop_thread:
+        if not self.rank_coros or threading.get_ident() != self.loop_thread:
             return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
         found: list[tuple[RankState, asyncio.Task[Any]]] = []
         if _CONTEXTS:
@@ -1224,10 +1232,8 @@ class World:
         lv.live = sum(st.live > 0 for st in self.ranks)
         lv.blocked = sum(st.blocked for st in self.ranks)
         for st in {st for st, _ in found}:
-            st._recheck()  # a task that awaits the ones found may wait for nothing else
-            if not st.recheck:  # (or will, once the task that made them in its first step awaits them)
-                st.recheck = True
-                self.loop.call_soon(st._recheck)
+            st.look_for_gatherers()  # a task that awaits the ones found may wait for nothing else
+            st.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
         return True
 
     def _tasks_of_ranks(self) -> list[tuple[RankState, asyncio.Task[Any]]]:

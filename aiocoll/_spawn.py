@@ -332,24 +332,20 @@ async def run_world(
     watch: StallWatch | None = None
     try:
         runners: list[asyncio.Future[Any]]
+        # Every rank is live before the first one runs, not from its first step: a rank
+        # whose task or thread has not started yet is not absent, and a rank blocked early
+        # would look deadlocked (a task factory may run a task's first step at once,
+        # asyncio.eager_task_factory; a rank thread taking turns runs at once too).
+        for st in local:
+            st.enter()
         if _is_async(fn):
             afn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], fn)
-            # Every rank is live before the first task is made: a task factory may run
-            # a task's first step at once (asyncio.eager_task_factory), and a rank that
-            # waits there for the ranks not made yet is not deadlocked.
-            for st in local:
-                st.enter()
             coros = {st.rank: _run_rank(w, st, afn, sessions[st.rank], failures) for st in order}
             w.rank_coros = set(coros.values())
-            w.async_ranks = True
             by_rank = {st.rank: loop.create_task(coros[st.rank], name=f"aiocoll rank {st.rank}") for st in order}
             runners = [by_rank[st.rank] for st in local]
         else:
             if w.turns is not None:
-                # Every rank is live before the first one runs (or a rank blocked early
-                # would look deadlocked).
-                for st in local:
-                    st.enter()
                 watch = StallWatch(w.turns, loop)
                 watch.start()
             try:
@@ -367,10 +363,6 @@ async def run_world(
         for st, r in zip(local, runners, strict=True):
             st.task = r if isinstance(r, asyncio.Task) else None
             if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
-                if not _is_async(fn):
-                    # Count each rank live from now, not from its first step: a rank
-                    # whose thread has not started yet is not absent.
-                    st.enter()
                 r.add_done_callback(st._task_done)
         try:
             await asyncio.wait(runners)
