@@ -407,14 +407,14 @@ class Checker:
         try:
             gone = await self.presence.gone(others, settle=0.0 if cause is None else Presence.SETTLE)
         except StoreUnreachable as e:
-            gone = []
+            group_ranks: list[int] = []
             who = f"{e}: the process that hosts it (rank 0 under env:// or tcp://) is gone"
         else:
             if not gone:
                 return None
-            named = [(iss.global_ranks.index(g), g, how) for g, how in gone]
-            who = ", ".join(f"rank {r}{'' if r == g else f' (global {g})'} {how}" for r, g, how in named)
-        group_ranks = [iss.global_ranks.index(g) for g, _ in gone]
+            group_ranks = [iss.global_ranks.index(g) for g, _ in gone]
+            named = zip(group_ranks, gone, strict=True)
+            who = ", ".join(f"rank {r}{'' if r == g else f' (global {g})'} {how}" for r, (g, how) in named)
         err = WorldAbortedError(
             f"{what} on rank {iss.rank} of group {iss.name!r} ({iss.backend}) failed: {who}; rank {iss.rank} "
             f"was waiting in it (call #{stamp.seq} of the group, at {fmt_site(_site_of(stamp))})",
