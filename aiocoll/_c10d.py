@@ -19,6 +19,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Generator, Sequence
 from datetime import timedelta
 from types import CodeType
@@ -28,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from . import _procstate, _torch
-from ._engine import RankState, current_rank_state
+from ._belongings import Belongings, Kind
+from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from ._work import Site, Work
 
-__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "register", "settle"]
+__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "belong", "register", "release", "settle"]
 
 BACKEND = "aiocoll"
 
@@ -52,7 +54,9 @@ def install() -> None:
         if _installed == 0:
             stack = contextlib.ExitStack()
             stack.enter_context(
-                _torch.patched_c10d(_name_suffix, _mesh_identity, lambda pg: isinstance(pg, AiocollProcessGroup))
+                _torch.patched_c10d(
+                    _name_suffix, _mesh_made, lambda pg: isinstance(pg, AiocollProcessGroup), _store_made
+                )
             )
             _patch = stack
         _installed += 1
@@ -85,10 +89,41 @@ def _base_name(name: str) -> str:
     return name.split(_SUFFIX, 1)[0]
 
 
-def _mesh_identity() -> int | None:
-    # without a per-rank identity, DTensor's caches would hand one rank's mesh to another
+def _mesh_made(mesh: Any) -> int | None:
+    """A mesh was built: it belongs to the calling rank's world; its identity is the rank's."""
     st = current_rank_state()
-    return None if st is None else id(st)
+    if st is None:
+        return None
+    belong(st.world, "mesh", mesh)
+    # without a per-rank identity, DTensor's caches would hand one rank's mesh to another
+    return id(st)
+
+
+def _store_made(store: Any) -> None:
+    st = current_rank_state()
+    if st is not None:
+        belong(st.world, "store", store)
+
+
+# -- what a world made, released when it ends (see _belongings) --------------------------
+
+_belongings: weakref.WeakKeyDictionary[World, Belongings] = weakref.WeakKeyDictionary()
+_belongings_lock = threading.Lock()
+
+
+def belong(world: World, kind: Kind, obj: object) -> None:
+    """Record ``obj`` (a group, store or mesh one of ``world``'s ranks made) for ``release``."""
+    b = _belongings.get(world)
+    if b is None:
+        with _belongings_lock:  # (ranks in threads make their first groups at once)
+            b = _belongings.setdefault(world, Belongings())
+    b.add(kind, obj)
+
+
+def release(world: World) -> list[str]:
+    """Once ``world`` has ended: free what its ranks made (``Belongings.release``); what outlives it."""
+    b = _belongings.get(world)
+    return [] if b is None else b.release()
 
 
 # -- Work ------------------------------------------------------------------------------
@@ -239,6 +274,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         # a world's ranks take turns (or not) from its start, before any group is made
         self._hand_over = comm._threaded and comm._world.turns is not None
         self._reported = BACKEND  # what pg.name() answers (report_backend)
+        belong(comm._world, "group", self)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -541,4 +577,6 @@ class RankSession:
         for pg, name in list(state.pg_names.items()):
             if isinstance(pg, AiocollProcessGroup):
                 _torch.unregister_group(name)
+            else:  # another backend's group made in the rank (aiocoll's record themselves)
+                belong(self.st.world, "group", pg)
         state.clear()

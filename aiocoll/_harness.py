@@ -36,12 +36,13 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from . import _procstate, _torch
+from . import _c10d, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
 from ._spawn import DEFAULT_RECORD, echoes_abort, run_world
+from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
 __all__ = [
@@ -85,6 +86,24 @@ class Settings:
 
     def collective_timeout(self, test_timeout: float) -> float:
         return self.timeout if self.timeout is not None else test_timeout / 2
+
+    @staticmethod
+    def deadline(test_timeout: float, size: int) -> float:
+        """How long a test's ranks may run in-process: torch's timeout, in the CPU time its processes had.
+
+        torch gives a test's W processes ``test_timeout`` seconds on the machine's cores;
+        ranks taking turns use one core. A hang is no longer what this bound is for (a
+        deadlock is reported at once, each wait in a collective has its own timeout):
+        only a rank that never stops computing runs into it.
+        """
+        return test_timeout * max(1, min(size, _usable_cpus()))
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on every platform)
+        return os.cpu_count() or 1
 
 
 def rank_class(cls: type) -> Any:
@@ -183,6 +202,7 @@ class WorldEnd:
     timed_out: bool = False  # the test ran past its deadline and was cancelled
     busy: dict[int, str] = field(default_factory=dict)  # at the deadline: ranks busy outside aiocoll, where
     left_running: list[int] = field(default_factory=list)  # ranks still running after GRACE: left behind
+    deadline: float = 0.0  # the seconds it was given
 
     def timeout_error(self, test_id: str, deadline: float, message: str) -> RuntimeError:
         """``message`` (torch's words for a timeout), with where the ranks were."""
@@ -205,10 +225,11 @@ class InProcessWorld:
     that outlives one test (continuous tests) is driven by ``start``, ``wait`` and ``end``.
     """
 
-    def __init__(self, size: int, collective_timeout: float | None, deadline: float) -> None:
+    def __init__(self, size: int, collective_timeout: float | None, deadline: float, name: str = "a test") -> None:
         self.size = size
         self.collective_timeout = collective_timeout
         self.deadline = deadline
+        self.name = name  # the test's id, in the watchdog's report
         self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
         self._needs: _procstate.NeedsProcess | None = None
         self._engine: Any = None  # the aiocoll World, once a rank runs
@@ -216,8 +237,18 @@ class InProcessWorld:
         self._environ: dict[str, str] = {}
         self._started = 0.0
         self._entered = False  # the process-wide patches are in force for this world
+        self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
 
     def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
+        """Run the world to its end; past ``deadline`` it is cancelled, and what does not end is left behind.
+
+        A rank stuck holding the GIL stops this thread too: then the watchdog ends the
+        process, with every thread's stack (``_watchdog``).
+        """
+        limit = self.deadline + GRACE + _watchdog.MARGIN
+        return under_deadline(limit, self.name, lambda: self._run(rank_main))
+
+    def _run(self, rank_main: Callable[[int], None]) -> WorldEnd:
         self.start(rank_main)
         try:
             finished = self.wait(self.deadline)
@@ -270,7 +301,26 @@ class InProcessWorld:
                 self._entered = False
                 _process_state.exit()
                 _procstate.restore_environ(self._environ)
-        return WorldEnd(wt.error, self._needs, elapsed, timed_out, busy, left)
+        if wt.wait(0):
+            self._release(wt.error)
+        return WorldEnd(wt.error, self._needs, elapsed, timed_out, busy, left, self.deadline)
+
+    def _release(self, error: BaseException | None) -> None:
+        """Free what the ranks made, now, before the next test or a fallback to processes runs.
+
+        The exceptions the ranks raised are kept for the reports, and their tracebacks
+        keep the ranks' frames, with every store, group and mesh in their locals: the
+        frames' locals are dropped (a process sends its parent the traceback's text
+        only), then the world's belongings are released (``_belongings``). Otherwise a
+        ``FileStore`` of this test would be destroyed by whichever thread next collects
+        garbage, and blocks for ever, holding the GIL, if its file has changed since.
+        """
+        raised, self._raised = self._raised, []
+        for e in [error, self._needs, *raised]:
+            if e is not None:
+                _forget_locals(e)
+        if self._engine is not None:
+            _c10d.release(self._engine)
 
     async def _world(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
         def rank_fn(comm: Comm) -> None:
@@ -279,8 +329,10 @@ class InProcessWorld:
             _procstate.bind(comm.rank, _procstate.RankEnviron(environ), _pause)
             try:
                 rank_main(comm.rank)
-            except _procstate.NeedsProcess as e:
-                self._needs = self._needs or e
+            except BaseException as e:
+                if isinstance(e, _procstate.NeedsProcess):
+                    self._needs = self._needs or e
+                self._raised.append(e)  # (the world keeps each rank's error: RankState.error)
                 raise
             finally:
                 _procstate.unbind()
@@ -328,6 +380,21 @@ def _pause(seconds: float) -> None:
             turns.event(st.rank).wait(step)
         if left <= PAUSE_SLICE:
             return
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Drop the locals of every finished frame in ``error``'s tracebacks (its causes and group members too)."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # (skips frames still running)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        if isinstance(e, BaseExceptionGroup):
+            todo += e.exceptions
 
 
 def _raise_if_aborted(world: Any) -> None:
@@ -447,7 +514,8 @@ def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[Ran
             raise failure  # aiocoll's world learns of it now: the others are released at once
 
     test_timeout = _torch.process_harness.test_timeout(case.id())
-    world = InProcessWorld(size, settings.collective_timeout(test_timeout), test_timeout)
+    deadline = settings.deadline(test_timeout, size)
+    world = InProcessWorld(size, settings.collective_timeout(test_timeout), deadline, case.id())
     return world.run(rank_main), ends
 
 
@@ -457,9 +525,8 @@ def report_process_ranks(case: Any, fn: Any, end: WorldEnd, ends: list[RankEnd])
     notes = list(getattr(end.error, "__notes__", []))
     if end.timed_out:
         first = min(end.busy, default=0)
-        deadline = _torch.process_harness.test_timeout(case.id())
         raise end.timeout_error(
-            case.id(), deadline, f"Process {first} terminated or timed out after {end.elapsed} seconds"
+            case.id(), end.deadline, f"Process {first} terminated or timed out after {end.elapsed} seconds"
         )
     processes, pipes = [], {}
     seen: dict[tuple[type, str], int] = {}
@@ -775,12 +842,22 @@ class ContinuousRanks:
                 self.post(rank, _worker_error(e))
                 raise
 
-        world = InProcessWorld(size, self.settings.collective_timeout(test_timeout), test_timeout)
+        world = InProcessWorld(
+            size,
+            self.settings.collective_timeout(test_timeout),
+            self.settings.deadline(test_timeout, size),
+            cls.__qualname__,
+        )
         world.start(rank_main)
         return world
 
     def _run(self, test_id: str) -> list[Any]:
         test_timeout = _torch.process_harness.test_timeout(test_id)
+        # a rank stuck holding the GIL would stop this thread too: the watchdog ends the process then
+        limit = self.settings.deadline(test_timeout, self.size) + 2 * GRACE + _watchdog.MARGIN
+        return under_deadline(limit, test_id, lambda: self._run_test(test_id, test_timeout))
+
+    def _run_test(self, test_id: str, test_timeout: float) -> list[Any]:
         with self._lock:
             self._current = [None] * self.size
             self._posted.clear()
@@ -794,7 +871,7 @@ class ContinuousRanks:
         for q in self._tasks:
             q.put(test_id)
         try:
-            done = world.wait(test_timeout, until=self._posted)
+            done = world.wait(world.deadline, until=self._posted)
             failed = any(_is_failure(r) for r in self._current)
             if done and self._posted.is_set() and not failed and not world.ended:
                 return list(self._current)  # the world lives on, for the class's next test
@@ -810,7 +887,7 @@ class ContinuousRanks:
         if end.needs_process is not None:
             return self._in_processes(test_id, str(end.needs_process), test_timeout)
         if end.timed_out:
-            err = end.timeout_error(test_id, test_timeout, f"Process timed out after {time.monotonic() - began}s")
+            err = end.timeout_error(test_id, end.deadline, f"Process timed out after {time.monotonic() - began}s")
             return [err] * self.size
         root: BaseException | None = None
         for r in results:

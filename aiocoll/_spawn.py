@@ -402,6 +402,8 @@ async def run_world(
             _c10d.uninstall()
         if rank_locals is not None:
             rank_locals.close()
+        # the groups, stores and meshes the ranks made die now, in this thread (_belongings)
+        _c10d.release(w)
         if trace is not None and w.recorder is not None:
             w.recorder.write_trace(trace)
         if hybrid is not None:

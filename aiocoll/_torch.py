@@ -22,6 +22,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,11 +47,13 @@ __all__ = [
     "check_c10d",
     "default_group",
     "default_store",
+    "drop_mesh_caches",
     "drop_thread_caches",
     "foreach_copy_",
     "fr_accepts",
     "fr_format_version",
     "group_timeout",
+    "module_hooks",
     "new_group_helper",
     "options",
     "patched_c10d",
@@ -63,6 +66,7 @@ __all__ = [
     "threaded_harness",
     "unregister_group",
     "use_state",
+    "watch_meshes",
 ]
 
 TESTED = ("2.10", "2.15")
@@ -296,6 +300,54 @@ def _install_cuda_guard(ensure_guard: Callable[[], None]) -> None:
     installed.wait()
 
 
+# -- torch.nn's process-wide module hooks ----------------------------------------------
+
+
+class module_hooks:
+    """The global module hooks of ``torch.nn`` (``register_module_forward_hook`` and the like).
+
+    They are globals of ``torch.nn.modules.module`` (2.10-2.15): nine dicts and the flag
+    ``_global_is_full_backward_hook``, read as module attributes at each use (there,
+    and by dynamo). ``CommDebugMode`` and ``ModTracker`` register their hooks there;
+    in one process with many ranks, each rank's tracker would see every rank's modules.
+    Sync ranks taking turns swap them in and out (``_locals``): a state read here is
+    what a rank had when it gave up its turn.
+    """
+
+    NAMES = (
+        "_global_buffer_registration_hooks",
+        "_global_module_registration_hooks",
+        "_global_parameter_registration_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_is_full_backward_hook",
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_forward_hooks_always_called",
+        "_global_forward_hooks_with_kwargs",
+    )
+
+    @staticmethod
+    def read() -> dict[str, Any]:
+        """The hooks in force now (the objects themselves)."""
+        from torch.nn.modules import module
+
+        return {name: getattr(module, name) for name in module_hooks.NAMES if hasattr(module, name)}
+
+    @staticmethod
+    def copy(state: dict[str, Any]) -> dict[str, Any]:
+        """A state with the same hooks in new containers (what a forked process starts with)."""
+        return {name: type(v)(v) if isinstance(v, dict) else v for name, v in state.items()}
+
+    @staticmethod
+    def write(state: dict[str, Any]) -> None:
+        """Put ``state`` in force."""
+        from torch.nn.modules import module
+
+        for name, value in state.items():
+            setattr(module, name, value)
+
+
 # -- what torch frees as a thread exits ------------------------------------------------
 
 # DTensor's C++ fast path (2.10-2.15, torch/csrc/autograd/python_variable.cpp) keeps a
@@ -330,6 +382,52 @@ def drop_thread_caches() -> None:
         return
     with _drop_lock:
         state.pop(_DTENSOR_THREAD_CACHE, None)
+
+
+# -- what torch's process-wide caches keep for a world's meshes -----------------------
+
+# DTensor's caches whose entries hold meshes (2.10-2.15: found by counting what grows
+# over many worlds, tests/test_belongings.py). Every mesh keeps its groups, so each
+# entry would keep a world that ended alive for as long as the process lives (about
+# 2,400 objects a world on 2.10, 8,600 on 2.15, for a program using DTensor, FSDP2, TP
+# and DCP). Each is (module, attribute path); an entry a torch lacks is skipped.
+# functools caches, keyed by DTensor specs or meshes; they cannot drop one key, so they
+# are cleared whole: other worlds' entries are simply made again (a plan, a topology)
+_MESH_FUNCTION_CACHES = (
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+)
+# dicts keyed by (weakref to a mesh, ...): only the world's entries go
+_MESH_KEYED_DICTS = (("torch.distributed.tensor._redistribute", "_planner_cache"),)
+
+
+def _loaded(module: str, path: str) -> Any:
+    """``module.path`` if ``module`` is imported (never imports it) and has it, else None."""
+    obj: Any = sys.modules.get(module)
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def drop_mesh_caches(meshes: list[Any]) -> None:
+    """Drop what DTensor's process-wide caches keep for ``meshes`` (of a world that ended).
+
+    The meshes must be alive (the caller holds them) so that entries can be matched.
+    """
+    for module, path in _MESH_FUNCTION_CACHES:
+        cache = _loaded(module, path)
+        if callable(getattr(cache, "cache_clear", None)):
+            cache.cache_clear()
+    ids = {id(m) for m in meshes}
+    for module, path in _MESH_KEYED_DICTS:
+        table = _loaded(module, path)
+        if not isinstance(table, dict):
+            continue
+        for key in list(table):
+            first = key[0] if isinstance(key, tuple) and key else None
+            mesh = first() if isinstance(first, weakref.ref) else first
+            if mesh is None or id(mesh) in ids:
+                table.pop(key, None)
 
 
 # -- per-rank c10d state --------------------------------------------------------------
@@ -446,11 +544,35 @@ def check_c10d() -> None:
 _saved: dict[str, Any] = {}
 
 
+def watch_meshes(mesh_made: Callable[[Any], int | None]) -> Callable[[], None]:
+    """Show every ``DeviceMesh`` built from now on to ``mesh_made``; returns the undo.
+
+    A mesh's ``_thread_id`` (2.10-2.15: what tells meshes of different ranks apart in
+    DTensor's caches, set per thread only for torch's "threaded" backend) becomes what
+    ``mesh_made(mesh)`` returns, unless None.
+    """
+    from torch.distributed import device_mesh
+
+    mesh_cls = device_mesh.DeviceMesh
+    saved = vars(mesh_cls)["__init__"]
+
+    @functools.wraps(saved)
+    def mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved(self, *args, **kwargs)
+        ident = mesh_made(self)
+        if ident is not None:
+            self._thread_id = ident
+
+    mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
+    return functools.partial(setattr, mesh_cls, "__init__", saved)
+
+
 @contextmanager
 def patched_c10d(
     name_suffix: Callable[[], str | None],
-    mesh_identity: Callable[[], int | None],
+    mesh_made: Callable[[Any], int | None],
     is_own: Callable[[Any], bool] = lambda pg: False,
+    store_made: Callable[[Any], None] = lambda store: None,
 ) -> Iterator[None]:
     """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
 
@@ -460,30 +582,51 @@ def patched_c10d(
       (``_set_thread_isolation_mode``, 2.10+); ranks that share a thread get names made
       unique by ``name_suffix()``.
     - ``DeviceMesh`` tells meshes of different ranks apart by ``_thread_id`` only for
-      torch's "threaded" backend; every mesh built in a rank gets ``mesh_identity()``.
+      torch's "threaded" backend; every mesh built gets ``mesh_made(mesh)`` (None: left as is).
+    - ``group.WORLD`` (``GroupMember.WORLD``) read by the module-level or class-body
+      code of a module being imported is the process's own default group, not the
+      importing rank's: a module is imported once for every rank, and what it binds
+      then (``def all_reduce(tensor, group=group.WORLD)`` in
+      ``torch.distributed.nn.functional``, the ZeroRedundancyOptimizer, FSDP's grad
+      scaler) serves them all, and outlives the world. A script run as ``__main__`` is
+      not being imported: it sees its rank's group.
+    - Every store made (``FileStore``, ``TCPStore``, ``HashStore``, ``PrefixStore``) is
+      shown to ``store_made``, so that the world can release it when it ends.
     - ``init_process_group`` wraps ``sys.excepthook`` per rank; the original comes back.
     - ``monitored_barrier`` on a group ``is_own`` calls the group's own: torch 2.15 first
       asks the group for a CPU backend of its own, which a Python process group does not
       register (it has none: it is its own backend).
     """
-    from torch.distributed import device_mesh
-
     check_c10d()
     saved_world, saved_hook, saved_name = _c10d._world, sys.excepthook, _c10d._process_group_name
-    mesh_cls = device_mesh.DeviceMesh
-    saved_mesh_init = mesh_cls.__init__
 
     def process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
         name = saved_name(ranks, use_hashed_name)
         suffix = name_suffix()
         return name if suffix is None else type(name)(f"{name}{suffix}")
 
-    @functools.wraps(saved_mesh_init)
-    def mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        saved_mesh_init(self, *args, **kwargs)
-        ident = mesh_identity()
-        if ident is not None:
-            self._thread_id = ident
+    meta = type(_c10d.group)  # _WorldMeta (2.10-2.15): group.WORLD is a property of it
+    saved_world_prop = meta.__dict__["WORLD"]
+
+    def world_get(cls: Any) -> Any:
+        caller = sys._getframe(1)
+        if not caller.f_code.co_flags & inspect.CO_OPTIMIZED:  # module or class body code, not a function's
+            spec = caller.f_globals.get("__spec__")
+            if getattr(spec, "_initializing", False):  # (importlib sets it while the module runs)
+                return saved_world.default_pg
+        return _c10d._world.default_pg
+
+    d: Any = dist  # (its stubs do not export the store classes)
+    stores = [cls for cls in (d.FileStore, d.TCPStore, d.HashStore, d.PrefixStore) if "__init__" in vars(cls)]
+    saved_store_inits = [vars(cls)["__init__"] for cls in stores]
+
+    def store_init(real: Any) -> Any:
+        @functools.wraps(real)
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            real(self, *args, **kwargs)
+            store_made(self)
+
+        return init
 
     saved_barrier = _c10d.monitored_barrier
 
@@ -507,8 +650,12 @@ def patched_c10d(
         undo.callback(_C._set_thread_isolation_mode, False)
         _c10d._process_group_name = process_group_name
         undo.callback(setattr, _c10d, "_process_group_name", saved_name)
-        mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
-        undo.callback(setattr, mesh_cls, "__init__", saved_mesh_init)
+        undo.callback(watch_meshes(mesh_made))
+        meta.WORLD = property(world_get, saved_world_prop.fset)
+        undo.callback(setattr, meta, "WORLD", saved_world_prop)
+        for cls, real in zip(stores, saved_store_inits, strict=True):
+            cls.__init__ = store_init(real)
+            undo.callback(setattr, cls, "__init__", real)
         yield
 
 

@@ -57,9 +57,11 @@ import pytest
 import torch
 from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackNative, Traceback
 
+from . import _watchdog
 from ._comm import Comm
 from ._errors import AiocollError
 from ._spawn import DEFAULT_RECORD, _loop_factory, spawn_async
+from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
 __all__ = ["DEFAULT_TEST_TIMEOUT", "DEFAULT_WORLD", "comm"]
@@ -104,6 +106,8 @@ class _WorldRun:
     record: int = DEFAULT_RECORD
     trace: Path | None = None  # this test's trace file
     trace_always: bool = False
+    test_timeout: float | None = None  # pytest-timeout's, if set: the watchdog's deadline (``_watchdog``)
+    name: str = "the test"
 
 
 _SETTINGS = pytest.StashKey[_Settings]()
@@ -302,12 +306,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if len(marker.args) > 1 or set(given) - {"n", "timeout", "loop"} or ("n" in marker.kwargs and marker.args):
             raise ValueError(f"@pytest.mark.world takes (n=None, *, timeout=..., loop=...), got {marker}")
         world = settings.world if given.get("n") is None else _parse_world(given["n"], "@pytest.mark.world")
+        limit = _pytest_timeout(item)
         if "timeout" in given:
             timeout = _parse_timeout(given["timeout"], "@pytest.mark.world")
         elif settings.timeout_configured:
             timeout = settings.timeout
         else:
-            limit = _pytest_timeout(item)
             timeout = DEFAULT_TEST_TIMEOUT if limit is None else min(DEFAULT_TEST_TIMEOUT, limit / 2)
         loop = settings.loop if given.get("loop") is None else _parse_loop(given["loop"], "@pytest.mark.world")
     except ValueError as e:
@@ -318,7 +322,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     trace = None if settings.trace_dir is None else _trace_path(item, settings.trace_dir)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
-    item.stash[_RUN] = _WorldRun(fn, world, timeout, loop, settings.record, trace, settings.trace_always)
+    item.stash[_RUN] = _WorldRun(
+        fn, world, timeout, loop, settings.record, trace, settings.trace_always, limit, item.nodeid
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -330,20 +336,25 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     fn = run.fn
-    results: list[Any]
+    world: _AsyncWorld | _SyncWorld
+    if inspect.iscoroutinefunction(fn):
+
+        async def async_rank(c: Comm) -> Any:
+            return await fn(**_with_comm(args, c))
+
+        world = _AsyncWorld(async_rank, run)
+    else:
+
+        def sync_rank(c: Comm) -> Any:
+            return fn(**_with_comm(args, c))
+
+        world = _SyncWorld(sync_rank, run)
     try:
-        if inspect.iscoroutinefunction(fn):
-
-            async def async_rank(c: Comm) -> Any:
-                return await fn(**_with_comm(args, c))
-
-            results = _AsyncWorld(async_rank, run).result()
+        if run.test_timeout is None:
+            results = world.result()
         else:
-
-            def sync_rank(c: Comm) -> Any:
-                return fn(**_with_comm(args, c))
-
-            results = _SyncWorld(sync_rank, run).result()
+            # pytest-timeout's handler needs the GIL; a rank holding it in C code would hang the session
+            results = under_deadline(run.test_timeout + _GRACE + _watchdog.MARGIN, run.name, world.result)
     except BaseException:
         if run.trace is not None and run.trace.exists():
             pyfuncitem.add_report_section("call", "aiocoll trace", f"written to {run.trace}")
@@ -558,6 +569,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if header is not None:
             _prepend(report, header)
     return report
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # the session keeps every item to its end: what a marked test ran with need not stay
+    if _RUN in item.stash:
+        del item.stash[_RUN]
 
 
 def _in_collective(tb: TracebackType) -> bool:

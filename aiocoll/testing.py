@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _harness, _torch
+from . import _c10d, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._engine import EngineWork, Phase, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
@@ -169,12 +169,16 @@ def _patch() -> None:
     plugins[_THREADED] = _torch.threaded_harness.plugin(_create_group)
     ProcessLocalGroup.exception_handle = classmethod(_exception_handle)
     ProcessLocalGroup.reset = classmethod(_reset)
+    # meshes belong to the run whose rank built them, released when it ends (the
+    # harness's threaded backend keeps them apart by thread itself)
+    _saved["meshes"] = _torch.watch_meshes(_harness_mesh_made)
 
 
 def _unpatch() -> None:
     global _current
     ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     _current = None  # a run cut short by this: its threads keep their world, the next run starts afresh
+    _saved.pop("meshes")()
     _torch.threaded_harness.plugins()[_THREADED] = _saved.pop("plugin")
     _torch.threaded_harness.unmend_thread_local_world(_saved.pop("mended"))
     for name, hook in _saved.pop("hooks").items():
@@ -192,6 +196,9 @@ class _HarnessRun:
     """
 
     def __init__(self, size: int, timeout: float | None) -> None:
+        # each rank's init_process_group wraps sys.excepthook and nothing unwraps it: put
+        # back when the run ends, as a process's hook goes with it
+        self.excepthook = sys.excepthook
         self.failures: list[tuple[int, BaseException]] = []
         self._ended: set[int] = set()
         made: list[World] = []
@@ -299,6 +306,12 @@ def _create_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup
     return _DefaultGroup(run, st, str(opts.group_id))
 
 
+def _harness_mesh_made(mesh: Any) -> None:
+    st = _rank_of(_current)
+    if st is not None:
+        _c10d.belong(st.world, "mesh", mesh)
+
+
 def _exception_handle(cls: type, exc: BaseException) -> None:
     """The harness's report of a failing rank (called on its thread): abort the world."""
     run = _current
@@ -319,6 +332,8 @@ def _reset(cls: type) -> None:
     if run is None:
         return
     leftovers = run.close()
+    sys.excepthook = run.excepthook
+    _c10d.release(run.world)  # what the ranks made dies now, not in a later test's thread
     harness = sys.modules.get(_HARNESS_MODULE)
     if harness is not None:
         _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)

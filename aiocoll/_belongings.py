@@ -1,0 +1,79 @@
+"""What a world made that holds C++ resources, released when the world ends.
+
+In processes, a rank's objects die with its process. In one process, an object a world
+made lives as long as anything refers to it: torch's process-wide caches (DTensor's
+redistribution plans and mesh topologies, keyed by meshes), and reference cycles
+(a ``DeviceMesh`` and its groups) that only Python's cyclic garbage collector frees,
+whenever it next runs, in whatever thread triggers it. A C++ destructor then runs in
+that thread, for a world long gone: a ``FileStore``'s reads its file, and blocks for
+ever holding the GIL if the file has been rewritten since (seen in a later test's rank
+thread, which stopped the whole test process).
+
+So a world's ranks record (weakly) the process groups, stores and meshes they make,
+and when the world ends ``release()`` drops what torch's caches keep for its meshes,
+then, only if one of those objects is still alive, collects the young generations
+(about 1 ms; then every generation if that was not enough), so that their destructors
+run then, in the thread that ends the world. What still lives after that is referenced
+from outside the world (a result it returned, an exception kept): ``release`` names it.
+
+>>> import torch.distributed as dist
+>>> b = Belongings()
+>>> store = dist.HashStore()
+>>> b.add("store", store)
+>>> [what.split()[0] for what in b.release()]    # still referenced here: kept, and named
+['store']
+>>> del store
+>>> b.release()
+[]
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Literal
+
+from . import _torch
+
+__all__ = ["Belongings", "Kind"]
+
+Kind = Literal["group", "store", "mesh"]
+
+
+class Belongings:
+    """The process groups, stores and meshes one world's ranks made (weak references)."""
+
+    __slots__ = ("_meshes", "_refs")
+
+    def __init__(self) -> None:
+        # appended to by rank threads at once: list.append is atomic, no lock needed
+        self._refs: list[tuple[Kind, weakref.ref[Any]]] = []
+        self._meshes: list[weakref.ref[Any]] = []
+
+    def add(self, kind: Kind, obj: object) -> None:
+        """Record ``obj``, made by one of the world's ranks."""
+        ref = weakref.ref(obj)
+        self._refs.append((kind, ref))
+        if kind == "mesh":
+            self._meshes.append(ref)
+
+    def alive(self) -> list[tuple[Kind, Any]]:
+        """The recorded objects still alive."""
+        return [(kind, obj) for kind, ref in self._refs if (obj := ref()) is not None]
+
+    def release(self) -> list[str]:
+        """Free what the world made (see the module); the objects still alive after that, described."""
+        meshes = [m for ref in self._meshes if (m := ref()) is not None]
+        if meshes:
+            _torch.drop_mesh_caches(meshes)
+        del meshes
+        for generation in (1, 2):
+            if not any(ref() is not None for _, ref in self._refs):
+                break
+            gc.collect(generation)
+        self._refs = [(kind, ref) for kind, ref in self._refs if ref() is not None]
+        self._meshes = [ref for ref in self._meshes if ref() is not None]
+        return [f"{kind} {obj!r}" for kind, obj in self.alive()]
+
+    def __repr__(self) -> str:
+        return f"<Belongings {len(self._refs)} recorded, {len(self.alive())} alive>"

@@ -1,0 +1,302 @@
+"""A world leaves nothing behind: what its ranks made is released when it ends (``aiocoll._belongings``).
+
+The loops of worlds here run the program ``benchmarks/bench_leftovers.py`` measures
+(DeviceMesh, DTensor, TP, FSDP2, DCP), through each way into aiocoll, fewer times.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import runpy
+import subprocess
+import sys
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import aiocoll
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# Without release, each world of the program leaves about 2,400 (torch 2.10) to 8,600
+# (2.15) objects in DTensor's caches; with it, none (a few may come from lazy set-ups).
+BOUND = 200
+
+
+@pytest.mark.parametrize("entry", ["spawn", "plugin", "process harness", "threaded harness"])
+def test_worlds_leave_nothing_behind(entry: str, tmp_path: Path) -> None:
+    # in a fresh interpreter, as the benchmark measures: pytest's own capture (logs,
+    # warnings) keeps what a test emits until it ends, which is not a world's doing
+    out = tmp_path / "samples.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_leftovers.py"), "--entry", entry, "--warmup", "2"]
+    cmd += ["--worlds", "3", "--every", "3", "--bound-objects", str(BOUND), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = json.loads(out.read_text())
+    (_, _, first), (worlds, _, last) = result["samples"]
+    assert worlds == 3
+    assert last - first <= BOUND, f"{entry}: {last - first} more live objects after 3 worlds\n{proc.stdout}"
+    assert entry in proc.stdout
+    assert " ok " in proc.stdout  # the table's verdict agrees
+
+
+def test_what_a_world_made_dies_when_it_ends(tmp_path: Path) -> None:
+    made: list[weakref.ref[Any]] = []
+
+    def rank(comm: aiocoll.Comm) -> None:
+        mesh = init_device_mesh("cpu", (comm.world_size,))
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        group = dist.new_group([0, 1])
+        store = dist.FileStore(str(tmp_path / "store"), comm.world_size)
+        store.set(f"r{comm.rank}", "x")
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        assert work is not None
+        work.wait()
+        mine = [mesh, mesh.get_group(), store, work, x] + ([group] if isinstance(group, dist.ProcessGroup) else [])
+        made.extend(weakref.ref(o) for o in mine)
+
+    gc.disable()  # only aiocoll's release can free the cycles meshes and their groups form
+    try:
+        aiocoll.spawn(rank, world=4)
+        alive = [r() for r in made if r() is not None]
+    finally:
+        gc.enable()
+    assert len(made) == 22  # group [0, 1] on ranks 0 and 1 only
+    assert alive == []
+
+
+def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> None:
+    def rank(comm: aiocoll.Comm) -> Any:
+        return init_device_mesh("cpu", (comm.world_size,))  # a result: the caller keeps it
+
+    meshes = aiocoll.spawn(rank, world=2)
+    refs = [weakref.ref(m) for m in meshes]
+    assert all(r() is not None for r in refs)
+    del meshes
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+# -- import-time group.WORLD ---------------------------------------------------------------------
+
+_MODULE = """
+import torch.distributed as dist
+
+AT_IMPORT = dist.group.WORLD
+
+class InClassBody:
+    group = dist.group.WORLD
+
+def all_reduce(t, group=dist.group.WORLD):   # the shape of torch.distributed.nn.functional
+    dist.all_reduce(t, group=group)
+    return t
+
+def inside():
+    return dist.group.WORLD
+"""
+
+
+@pytest.fixture
+def fresh_module(tmp_path: Path) -> Iterator[str]:
+    name = f"aiocoll_import_probe_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(_MODULE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield name
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+
+
+def test_a_module_imported_in_a_rank_binds_the_process_group_not_the_rank(fresh_module: str) -> None:
+    def rank(comm: aiocoll.Comm) -> tuple[Any, ...]:
+        mod = importlib.import_module(fresh_module)  # rank 0 (or whichever runs first) imports it
+        total = mod.all_reduce(torch.ones(1)).item()
+        return mod.AT_IMPORT, mod.InClassBody.group, mod.inside() is dist.group.WORLD, total
+
+    first = aiocoll.spawn(rank, world=4)
+    assert first == [(None, None, True, 4.0)] * 4  # the process's own default group: none here
+    # a later world calls the same functions: their defaults are no dead rank's group
+    assert aiocoll.spawn(rank, world=3) == [(None, None, True, 3.0)] * 3
+
+
+def test_a_script_run_as_main_in_a_rank_sees_its_own_group(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text("import torch.distributed as dist\nWORLD = dist.group.WORLD\n")
+
+    def rank(comm: aiocoll.Comm) -> bool:
+        return runpy.run_path(str(script), run_name="__main__")["WORLD"] is dist.group.WORLD
+
+    assert aiocoll.spawn(rank, world=2) == [True, True]
+
+
+def test_threaded_harness_puts_back_the_excepthook() -> None:
+    from _unittest_runs import problems, run_case
+    from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
+    import aiocoll.testing
+
+    class Case(MultiThreadedTestCase):
+        @property
+        def world_size(self) -> int:
+            return 2
+
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_threads()
+
+        def test_init(self) -> None:
+            dist.all_reduce(torch.ones(1))
+
+    before = sys.excepthook
+    with aiocoll.testing.replace_threaded_pg():
+        result = run_case(Case, "test_init")
+    assert result.wasSuccessful(), problems(result)
+    assert sys.excepthook is before  # each rank's init_process_group wrapped it
+
+
+# -- a FileStore outliving its test, destroyed by a later one ---------------------------------------
+
+_STALE_STORE = """
+import gc, os, sys, unittest
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+import aiocoll.testing
+
+
+class Stores(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def tearDown(self):
+        super().tearDown()
+        if self._testMethodName == "test_a_store_then_gloo":
+            # the file is used again, for other content: one long record. A store of
+            # this test still alive reads it from where it had stopped, in mid-record,
+            # and loops for ever in its destructor, holding the GIL
+            with open(self.file_name, "wb") as f:
+                f.write((6).to_bytes(4, "little") + b"/other" + (1000).to_bytes(4, "little") + b"x" * 1000)
+
+    def test_a_store_then_gloo(self):
+        store = dist.FileStore(self.file_name, self.world_size)
+        store.set(f"rank{self.rank}", "v")
+        store.get(f"rank{self.rank}")
+        # in-process, this needs processes: the test runs again on torch's harness
+        dist.ProcessGroupGloo(store, self.rank, self.world_size).barrier().wait()
+
+    def test_b_later(self):
+        gc.collect()  # a later test's rank collects garbage
+
+
+if __name__ == "__main__":
+    h = aiocoll.testing.replace_process_harness()
+    result = unittest.TextTestRunner(verbosity=2).run(unittest.TestLoader().loadTestsFromTestCase(Stores))
+    print("fallbacks:", [test for test, _ in h.fallbacks])
+    sys.exit(not result.wasSuccessful())
+"""
+
+
+def test_a_store_of_an_earlier_test_never_hangs_a_later_one(tmp_path: Path) -> None:
+    script = tmp_path / "stale_store.py"
+    script.write_text(_STALE_STORE)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the run hung (a FileStore of the first test destroyed in the second):\n{e.stderr}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fallbacks: ['__main__.Stores.test_a_store_then_gloo']" in proc.stdout
+
+
+# -- the watchdog: a rank holding the GIL -----------------------------------------------------------
+
+_HOLDS_THE_GIL = """
+import ctypes, sys, unittest
+import torch.distributed as dist
+from torch.testing._internal import common_distributed
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+import aiocoll.testing, aiocoll._harness, aiocoll._watchdog
+
+aiocoll._harness.GRACE = 0.5
+aiocoll._watchdog.MARGIN = 1.0
+common_distributed.TIMEOUT_OVERRIDE["test_holds_the_gil"] = 1
+
+
+class Stuck(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_holds_the_gil(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+        if self.rank == 1:
+            ctypes.PyDLL(None).sleep(600)  # C code that never lets the GIL go
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    aiocoll.testing.replace_process_harness()
+    unittest.TextTestRunner().run(unittest.TestLoader().loadTestsFromTestCase(Stuck))
+    print("the run went on")
+"""
+
+
+def test_a_rank_holding_the_gil_ends_the_process_with_every_stack(tmp_path: Path) -> None:
+    script = tmp_path / "holds_the_gil.py"
+    script.write_text(_HOLDS_THE_GIL)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the run went on" not in proc.stdout
+    err = proc.stderr
+    assert "aiocoll: __main__.Stuck.test_holds_the_gil ran past its deadline of 2.5 s" in err
+    stuck = next(i for i, line in enumerate(_HOLDS_THE_GIL.splitlines(), 1) if "sleep(600)" in line)
+    assert f"line {stuck} in test_holds_the_gil" in err  # the stuck rank, where it was
+    assert err.count("Thread 0x") >= 3  # every thread: the test's, the world's loop, the ranks
+
+
+_PLUGIN_TESTS = """
+import ctypes
+import pytest
+
+
+@pytest.mark.world(2)
+def test_holds_the_gil(comm):
+    if comm.rank == 1:
+        ctypes.PyDLL(None).sleep(600)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_plugin_test_holding_the_gil_under_xdist_fails_alone(tmp_path: Path) -> None:
+    (tmp_path / "test_stuck.py").write_text(_PLUGIN_TESTS)
+    (tmp_path / "conftest.py").write_text("import aiocoll._watchdog\naiocoll._watchdog.MARGIN = 1.0\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    cmd = [sys.executable, "-m", "pytest", "-n", "2", "--timeout", "2", "-p", "no:cacheprovider", "test_stuck.py"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in out
+    assert "crashed" in out
+    assert "aiocoll: test_stuck.py::test_holds_the_gil ran past its deadline" in out
