@@ -1,4 +1,4 @@
-"""What each sync rank has of its own that Python and torch keep process-wide: random generators.
+"""What each sync rank has of its own that Python and torch keep process-wide: random generators, module hooks.
 
 In W processes every rank has its own torch generators, Python ``random`` and NumPy
 global generator. Rank threads of one process share them, so "seed, then build the model"
@@ -13,6 +13,11 @@ turns (see ``_turns``), and this module gives each its own generators:
   generators runs, those functions are replaced by ones that draw from the calling
   rank's own instance (saving and restoring their states at each turn would cost 10 and
   60 us). Code outside any rank still reaches the process's instances.
+
+torch.nn's global module hooks (``register_module_forward_hook`` and the like, which
+``CommDebugMode`` and ``ModTracker`` use) are module globals too: the rank that takes
+its turn puts its own in force (a few attribute writes), so that each rank's hooks see
+its modules only.
 
 Every rank starts with a copy of the states of the thread that called ``spawn`` (as a
 forked process would); that thread gets its own states back when the world ends.
@@ -37,6 +42,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from . import _torch
 
 __all__ = ["RankLocals"]
 
@@ -211,7 +218,9 @@ class RankLocals:
     __slots__ = (
         "_caller",
         "_caller_cuda",
+        "_caller_hooks",
         "_closed",
+        "_hooks",
         "_initial",
         "_loaded",
         "_numpy_installed",
@@ -226,7 +235,9 @@ class RankLocals:
         self._caller = torch.default_generator.get_state()
         self._caller_cuda = [g.get_state() for g in _cuda_generators()]
         self._torch = _TorchStates(size, self._caller, self._caller_cuda)
-        self._loaded: int | None = None  # whose torch states the generators hold now
+        self._loaded: int | None = None  # whose torch states the generators (and hooks) hold now
+        self._caller_hooks = _torch.module_hooks.read()
+        self._hooks: list[dict[str, Any] | None] = [None] * size  # each rank's, from its first turn
         # each rank's instances start from these states, made on its first draw
         self._initial: dict[str, Any] = {"python": random.getstate()}
         self.python: list[random.Random | None] = [None] * size
@@ -280,6 +291,13 @@ class RankLocals:
         """Rank ``rank`` takes its turn: load its generator states (after saving the last owner's)."""
         if self._loaded != rank:
             self._torch.switch(self._loaded, rank)
+            hooks = _torch.module_hooks
+            if self._loaded is not None:
+                self._hooks[self._loaded] = hooks.read()
+            mine = self._hooks[rank]
+            if mine is None:
+                mine = self._hooks[rank] = hooks.copy(self._caller_hooks)
+            hooks.write(mine)
             self._loaded = rank
         if not self._numpy_installed and "numpy.random" in sys.modules:
             self._track_numpy()
@@ -290,6 +308,8 @@ class RankLocals:
             return
         self._closed = True
         torch.default_generator.set_state(self._caller)
+        _torch.module_hooks.write(self._caller_hooks)
+        self._hooks = [None] * self.size
         gens = _cuda_generators()
         if self._caller_cuda and len(gens) == len(self._caller_cuda):
             for g, st in zip(gens, self._caller_cuda, strict=True):

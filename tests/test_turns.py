@@ -199,6 +199,68 @@ def test_parallel_ranks_share_the_generators() -> None:
     assert not hasattr(random.random, "__wrapped__")  # removed when the world ended
 
 
+def test_each_rank_has_its_own_global_module_hooks() -> None:
+    from torch.nn.modules import module as nn_module
+
+    inherited: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: inherited.append(type(m).__name__))
+    before = {name: getattr(nn_module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")}
+
+    def rank(comm: Comm) -> list[str]:
+        seen: list[str] = []
+        nn.modules.module.register_module_forward_pre_hook(lambda m, i: seen.append(type(m).__name__))
+        layer = nn.Linear(2, 2) if comm.rank == 0 else nn.Sequential(nn.ReLU())
+        dist.barrier()  # every rank has registered its hook before any runs its module
+        layer(torch.ones(2))
+        dist.barrier()
+        return seen
+
+    try:
+        seen = aiocoll.spawn(rank, world=3)
+    finally:
+        handle.remove()
+    assert seen == [["Linear"], ["Sequential", "ReLU"], ["Sequential", "ReLU"]]  # each its own modules only
+    assert sorted(inherited) == ["Linear", "ReLU", "ReLU", "Sequential", "Sequential"]  # as a forked process would
+    after = {name: getattr(nn_module, name) for name in before}
+    assert all(after[n] is before[n] for n in before)  # the caller's own dicts, back
+    assert len(nn_module._global_forward_pre_hooks) == 0  # the ranks' hooks went with them
+
+
+def test_module_trackers_see_each_ranks_modules() -> None:
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(4, 8)
+            self.down = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    def rank(comm: Comm) -> tuple[list[str], int, dict[str, int]]:
+        mesh = init_device_mesh("cpu", (comm.world_size,))
+        model = parallelize_module(Mlp(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        entered: list[str] = []
+        tracker = ModTracker()
+        tracker.register_user_hooks(pre_fw_hook=lambda m, i: entered.append(type(m).__name__))
+        mode = CommDebugMode()
+        with tracker, mode:
+            dist.barrier()  # every rank's trackers are on before any rank runs its model
+            model(torch.ones(2, 4, requires_grad=True)).sum().backward()  # (inputs with grad: no warning)
+        per_module = {
+            fqn: sum(counts["forward"].values()) for fqn, counts in mode.comm_module_counts.items() if counts["forward"]
+        }
+        return entered, mode.get_total_counts(), per_module
+
+    # as in a process of its own: each tracker sees its rank's three modules once; RowwiseParallel
+    # reduces once forward (in Mlp.down), ColwiseParallel once backward
+    expected = (["Mlp", "Linear", "Linear"], 2, {"Global": 1, "Mlp": 1, "Mlp.down": 1})
+    assert aiocoll.spawn(rank, world=2) == [expected] * 2
+
+
 def _interleaving(comm: Comm) -> list[int]:
     """The order in which the ranks got past each of three barriers, as seen by a shared list."""
     order.append(comm.rank)
