@@ -12,9 +12,12 @@ thread, which stopped the whole test process).
 So a world's ranks record (weakly) the process groups, stores and meshes they make,
 and when the world ends ``release()`` drops what torch's caches keep for its meshes,
 then, only if one of those objects is still alive, collects the young generations
-(about 1 ms; then every generation if that was not enough), so that their destructors
-run then, in the thread that ends the world. What still lives after that is referenced
-from outside the world (a result it returned, an exception kept): ``release`` names it.
+(about 1 ms), then, if some still live, every generation (0.1-0.6 s: a world that ran
+long has its objects in the oldest), so that their destructors run then, in the thread
+that ends the world. That last collection is skipped when every object still alive is
+reached from what the world returned (DTensors keep their meshes): it would free
+nothing. What still lives after that is referenced from outside the world (a result,
+an exception kept): ``release`` names it.
 
 >>> import torch.distributed as dist
 >>> b = Belongings()
@@ -31,13 +34,20 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections import deque
+from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
 from typing import Any, Literal
 
 from . import _torch
 
 __all__ = ["Belongings", "Kind"]
 
-Kind = Literal["group", "store", "mesh"]
+Kind = Literal["group", "native group", "store", "mesh"]
+"""aiocoll's process groups, those of torch's backends (gloo, ...), stores, meshes."""
+
+_REACH_LIMIT = 100_000  # objects looked at from a world's results, at most (about 10 ms)
+# not followed from a result: what leads to a module's globals (so, everything) rather than to it
+_NOT_FOLLOWED = (type, ModuleType, FunctionType, CodeType, FrameType, TracebackType)
 
 
 class Belongings:
@@ -57,20 +67,41 @@ class Belongings:
         if kind == "mesh":
             self._meshes.append(ref)
 
+    def _all_reached_from(self, results: object) -> bool:
+        """Whether every recorded object still alive is reached from ``results`` (looking at a bounded part)."""
+        wanted = {id(obj) for _, obj in self.alive()}
+        seen: set[int] = set()
+        todo = deque([results])
+        while todo and wanted and len(seen) < _REACH_LIMIT:
+            obj = todo.popleft()  # breadth first: a result's mesh is a few steps away
+            # type(), not isinstance(): some of torch's objects warn when asked for __class__
+            if id(obj) in seen or issubclass(type(obj), _NOT_FOLLOWED):
+                continue
+            seen.add(id(obj))
+            wanted.discard(id(obj))
+            todo += gc.get_referents(obj)
+        return not wanted
+
+    def _count_alive(self) -> int:
+        return sum(1 for _, ref in self._refs if ref() is not None)
+
     def alive(self) -> list[tuple[Kind, Any]]:
         """The recorded objects still alive."""
         return [(kind, obj) for kind, ref in self._refs if (obj := ref()) is not None]
 
-    def release(self) -> list[str]:
-        """Free what the world made (see the module); the objects still alive after that, described."""
+    def release(self, results: object = None) -> list[str]:
+        """Free what the world made (see the module); the objects still alive after that, described.
+
+        ``results``: what the world returned, which may keep some of them alive.
+        """
         meshes = [m for ref in self._meshes if (m := ref()) is not None]
         if meshes:
             _torch.drop_mesh_caches(meshes)
         del meshes
-        for generation in (1, 2):
-            if not any(ref() is not None for _, ref in self._refs):
-                break
-            gc.collect(generation)
+        if self._count_alive():
+            gc.collect(1)
+            if self._count_alive() and not self._all_reached_from(results):
+                gc.collect()
         self._refs = [(kind, ref) for kind, ref in self._refs if ref() is not None]
         self._meshes = [ref for ref in self._meshes if ref() is not None]
         return [f"{kind} {obj!r}" for kind, obj in self.alive()]

@@ -120,10 +120,13 @@ def belong(world: World, kind: Kind, obj: object) -> None:
     b.add(kind, obj)
 
 
-def release(world: World) -> list[str]:
-    """Once ``world`` has ended: free what its ranks made (``Belongings.release``); what outlives it."""
+def release(world: World, results: object = None) -> list[str]:
+    """Once ``world`` has ended: free what its ranks made (``Belongings.release``); what outlives it.
+
+    ``results``: what the world returned (which may keep some of it alive).
+    """
     b = _belongings.get(world)
-    return [] if b is None else b.release()
+    return [] if b is None else b.release(results)
 
 
 # -- Work ------------------------------------------------------------------------------
@@ -578,5 +581,5 @@ class RankSession:
             if isinstance(pg, AiocollProcessGroup):
                 _torch.unregister_group(name)
             else:  # another backend's group made in the rank (aiocoll's record themselves)
-                belong(self.st.world, "group", pg)
+                belong(self.st.world, "native group", pg)
         state.clear()

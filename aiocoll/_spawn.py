@@ -330,8 +330,8 @@ async def run_world(
     failures: list[tuple[int, BaseException]] = []
     threads: list[threading.Thread] = []
     watch: StallWatch | None = None
+    runners: list[asyncio.Future[Any]] = []
     try:
-        runners: list[asyncio.Future[Any]]
         # Every rank is live before the first one runs, not from its first step: a rank
         # whose task or thread has not started yet is not absent, and a rank blocked early
         # would look deadlocked (a task factory may run a task's first step at once,
@@ -402,8 +402,9 @@ async def run_world(
             _c10d.uninstall()
         if rank_locals is not None:
             rank_locals.close()
-        # the groups, stores and meshes the ranks made die now, in this thread (_belongings)
-        _c10d.release(w)
+        # the groups, stores and meshes the ranks made die now, in this thread (_belongings),
+        # but for those the ranks' results keep alive
+        _c10d.release(w, runners)
         if trace is not None and w.recorder is not None:
             w.recorder.write_trace(trace)
         if hybrid is not None:
