@@ -10,8 +10,9 @@ dumps every thread's Python stack to stderr and ends the process (exit code 1), 
 test run stops with a report instead of hanging for ever. (Under pytest-xdist the
 worker's crash fails that test, and the run goes on with a new worker.)
 
-The dump names what ran past its deadline: the waiting thread's stack runs through a
-frame named after it (``in aiocoll: <what> ran past its deadline of N s``).
+The dump names what ran past its deadline: under faulthandler's ``Timeout`` line, the
+waiting thread's stack runs through a frame named after it (``in <what>, under
+aiocoll's deadline of N s``; pytest leaves that frame out of the tracebacks it shows).
 
 faulthandler has one such timer per process: arming replaces pytest's own
 (``faulthandler_timeout``) for the time the block runs. It writes to the process's
@@ -56,6 +57,7 @@ _STDERR = _own_stderr()
 
 
 def _call(fn: Callable[[], T]) -> T:
+    __tracebackhide__ = True  # (pytest)
     return fn()
 
 
@@ -65,7 +67,8 @@ def under_deadline(seconds: float, what: str, fn: Callable[[], T]) -> T:
     >>> under_deadline(60, "a quick block", lambda: 6 * 7)
     42
     """
-    name = f"aiocoll: {what} ran past its deadline of {seconds:g} s"
+    __tracebackhide__ = True  # (pytest)
+    name = f"{what}, under aiocoll's deadline of {seconds:g} s"
     # a function of its own whose frame carries the name into faulthandler's dump
     code = _call.__code__.replace(co_name=name, co_qualname=name)
     named: Callable[[Callable[[], T]], T] = types.FunctionType(code, _call.__globals__)
