@@ -15,9 +15,9 @@ turns (see ``_turns``), and this module gives each its own generators:
   60 us). Code outside any rank still reaches the process's instances.
 
 torch.nn's global module hooks (``register_module_forward_hook`` and the like, which
-``CommDebugMode`` and ``ModTracker`` use) are module globals too: the rank that takes
-its turn puts its own in force (a few attribute writes), so that each rank's hooks see
-its modules only.
+``CommDebugMode`` and ``ModTracker`` use) are module globals too, and so is torch's
+default dtype (``torch.set_default_dtype``): the rank that takes its turn puts its own
+in force (a few attribute writes), so that each rank's hooks see its modules only.
 
 Every rank starts with a copy of the states of the thread that called ``spawn`` (as a
 forked process would); that thread gets its own states back when the world ends.
@@ -218,8 +218,10 @@ class RankLocals:
     __slots__ = (
         "_caller",
         "_caller_cuda",
+        "_caller_dtype",
         "_caller_hooks",
         "_closed",
+        "_dtypes",
         "_hooks",
         "_initial",
         "_loaded",
@@ -238,6 +240,8 @@ class RankLocals:
         self._loaded: int | None = None  # whose torch states the generators (and hooks) hold now
         self._caller_hooks = _torch.module_hooks.read()
         self._hooks: list[dict[str, Any] | None] = [None] * size  # each rank's, from its first turn
+        self._caller_dtype = torch.get_default_dtype()
+        self._dtypes = [self._caller_dtype] * size
         # each rank's instances start from these states, made on its first draw
         self._initial: dict[str, Any] = {"python": random.getstate()}
         self.python: list[random.Random | None] = [None] * size
@@ -294,6 +298,9 @@ class RankLocals:
             hooks = _torch.module_hooks
             if self._loaded is not None:
                 self._hooks[self._loaded] = hooks.read()
+                self._dtypes[self._loaded] = torch.get_default_dtype()
+            if torch.get_default_dtype() is not self._dtypes[rank]:
+                torch.set_default_dtype(self._dtypes[rank])
             mine = self._hooks[rank]
             if mine is None:
                 mine = self._hooks[rank] = hooks.copy(self._caller_hooks)
@@ -310,6 +317,7 @@ class RankLocals:
         torch.default_generator.set_state(self._caller)
         _torch.module_hooks.write(self._caller_hooks)
         self._hooks = [None] * self.size
+        torch.set_default_dtype(self._caller_dtype)
         gens = _cuda_generators()
         if self._caller_cuda and len(gens) == len(self._caller_cuda):
             for g, st in zip(gens, self._caller_cuda, strict=True):

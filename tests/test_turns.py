@@ -226,6 +226,25 @@ def test_each_rank_has_its_own_global_module_hooks() -> None:
     assert len(nn_module._global_forward_pre_hooks) == 0  # the ranks' hooks went with them
 
 
+def test_each_rank_has_its_own_default_dtype() -> None:
+    def rank(comm: Comm) -> list[str]:
+        if comm.rank == 1:
+            torch.set_default_dtype(torch.float64)  # as a test's setUp may, in one process
+        seen = []
+        for _ in range(3):
+            dist.barrier()  # the turn goes round
+            seen.append(str(torch.ones(1).dtype))
+        return seen
+
+    before = torch.get_default_dtype()
+    assert aiocoll.spawn(rank, world=3) == [
+        ["torch.float32"] * 3,
+        ["torch.float64"] * 3,
+        ["torch.float32"] * 3,
+    ]
+    assert torch.get_default_dtype() is before
+
+
 def test_module_trackers_see_each_ranks_modules() -> None:
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.distributed.tensor.debug import CommDebugMode
