@@ -87,6 +87,38 @@ def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> Non
     assert all(r() is None for r in refs)
 
 
+def test_results_keeping_a_worlds_meshes_cost_no_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    collections: list[int] = []
+    real = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        collections.append(generation)
+        return real(generation)
+
+    monkeypatch.setattr(gc, "collect", counting)
+
+    def dtensor(comm: aiocoll.Comm) -> Any:
+        mesh = init_device_mesh("cpu", (comm.world_size,))
+        return distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])  # keeps its mesh, and the mesh its groups
+
+    results = aiocoll.spawn(dtensor, world=2)
+    assert 2 not in collections  # every object left is the results': a full collection would free nothing
+    refs = [weakref.ref(r.device_mesh) for r in results]
+    del results
+    real()
+    assert all(r() is None for r in refs)
+
+    def old_cycles(comm: aiocoll.Comm) -> None:
+        mesh = init_device_mesh("cpu", (comm.world_size,))
+        distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        real()  # what DTensor made, alive, moves to the oldest generation: garbage in cycles once this returns
+        assert mesh.size() == comm.world_size
+
+    collections.clear()
+    aiocoll.spawn(old_cycles, world=2)
+    assert collections[-1] == 2  # garbage the young collection cannot reach: all generations
+
+
 # -- import-time group.WORLD ---------------------------------------------------------------------
 
 _MODULE = """
