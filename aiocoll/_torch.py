@@ -430,6 +430,24 @@ def drop_mesh_caches(meshes: list[Any]) -> None:
                 table.pop(key, None)
 
 
+@functools.cache
+def pins_dtensor_specs() -> bool:
+    """Whether this torch keeps every DTensorSpec an OpSchema hashes alive for good.
+
+    torch 2.10 to 2.12 leak one reference per OpSchema built (pytorch#181761, fixed by
+    pytorch#181792), in any process: nothing outside torch can release those specs or
+    the meshes they name. Measured by building one, as torch's regression test does.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    spec = DTensorSpec(mesh=None, placements=(), tensor_meta=None)  # type: ignore[arg-type]
+    ref = weakref.ref(spec)
+    OpSchema(op=torch.ops.aten.add.Tensor, args_schema=(spec,), kwargs_schema={})
+    del spec
+    return ref() is not None
+
+
 # -- per-rank c10d state --------------------------------------------------------------
 
 _World: type = _need(_c10d, "_World", "distributed_c10d._World (c10d's state object)")

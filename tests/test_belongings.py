@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import aiocoll
+from aiocoll import _torch
 from aiocoll._harness import Settings
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -43,11 +44,26 @@ def test_worlds_leave_nothing_behind(entry: str, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (result,) = json.loads(out.read_text())
-    (_, _, first), (worlds, _, last) = result["samples"]
+    (_, _, first, pinned_first), (worlds, _, last, pinned) = result["samples"]
     assert worlds == 3
-    assert last - first <= BOUND, f"{entry}: {last - first} more live objects after 3 worlds\n{proc.stdout}"
+    assert pinned_first == 0
+    # torch 2.10 to 2.12 keep every DTensorSpec an OpSchema hashes (pytorch#181761), in
+    # any process; what that pins is left out, and only where the torch has the leak
+    assert pinned == 0 or _torch.pins_dtensor_specs(), (
+        f"{pinned} objects counted as torch's on a torch without its leak"
+    )
+    assert last - first - pinned <= BOUND, (
+        f"{entry}: {last - first} more live objects after 3 worlds, {pinned} of them torch's\n{proc.stdout}"
+    )
     assert entry in proc.stdout
     assert " ok " in proc.stdout  # the table's verdict agrees
+
+
+def test_torch_pinning_dtensor_specs_is_measured_not_assumed() -> None:
+    # the leak the benchmark leaves out, found by its effect: 2.10 to 2.12 have it (2.10.0
+    # and 2.12.1 measured, 2.11 per pytorch#181761), 2.13 and later not
+    major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert _torch.pins_dtensor_specs() == (major_minor <= (2, 12))
 
 
 def test_what_a_world_made_dies_when_it_ends(tmp_path: Path) -> None:
