@@ -123,9 +123,13 @@ def belong(world: World, kind: Kind, obj: object) -> None:
 def release(world: World, results: object = None) -> list[str]:
     """Once ``world`` has ended: free what its ranks made (``Belongings.release``); what outlives it.
 
-    ``results``: what the world returned (which may keep some of it alive).
+    ``results``: what the world returned (which may keep some of it alive). The record
+    goes too: a world kept after it ended (by its caller, or by torch 2.10-2.12's leak
+    of DTensor specs, which keeps the meshes, their groups and so the world) keeps no
+    list of what it made.
     """
-    b = _belongings.get(world)
+    with _belongings_lock:
+        b = _belongings.pop(world, None)
     return [] if b is None else b.release(results)
 
 

@@ -15,9 +15,10 @@ objects the collector tracks. The table gives both after warm-up and at the end,
 growth per world, and whether it stays within the bound; the ratio column compares
 each entry's growth per world with torch's threaded PG's.
 
-torch 2.10 to 2.12 leak every DTensorSpec an ``OpSchema`` hashes, in any process
-(pytorch#181761): the "torch pins" column counts what that leak keeps of the new
-objects (0 on a torch without it), and the bound and ratio leave it out.
+torch 2.10 to 2.12 leak the arguments (DTensorSpecs, sharding strategies) of every
+``OpSchema`` they hash, in any process (pytorch#181761): the "torch pins" column counts
+what that leak keeps of the new objects (0 on a torch without it), and the bound and
+ratio leave it out.
 
 The bound (``--bound-objects``, ``--bound-mb``) is on the whole run after warm-up, not
 per world: a world that leaves nothing behind leaves the counts flat however many
@@ -48,12 +49,13 @@ def _rss_mb() -> float:
 
 
 def _pinned_by_torch(before: set[int]) -> int:
-    """Tracked objects made since ``before`` that torch's own DTensorSpec leak keeps alive.
+    """Tracked objects made since ``before`` that torch's own OpSchema leak keeps alive.
 
-    torch 2.10 to 2.12 leak a reference to each tuple of specs an ``OpSchema`` hashes
-    (pytorch#181761), in any process. Such a tuple holds DTensorSpecs and no tracked
-    object refers to it; what it reaches among the new objects stays for good, whatever
-    aiocoll releases. 0 on a torch without the leak.
+    torch 2.10 to 2.12 leak a reference to the tuple (or dict) of arguments of each
+    ``OpSchema`` they hash (pytorch#181761), in any process. Such a container holds
+    DTensorSpecs or sharding strategies and no tracked object refers to it (only C++
+    does); what it reaches among the new objects stays for good, whatever aiocoll
+    releases. 0 on a torch without the leak.
     """
     import gc
     import types
@@ -63,10 +65,17 @@ def _pinned_by_torch(before: set[int]) -> int:
     if not pins_dtensor_specs():
         return 0
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import StrategyType
+
+    schema_args = (DTensorSpec, StrategyType)  # what an OpSchema's arguments are made of
 
     objects = gc.get_objects()
     orphans = {
-        id(o): o for o in objects if type(o) is tuple and id(o) not in before and any(type(x) is DTensorSpec for x in o)
+        id(o): o
+        for o in objects
+        if id(o) not in before
+        and (type(o) is tuple or type(o) is dict)
+        and any(isinstance(x, schema_args) for x in (o.values() if type(o) is dict else o))
     }
     # never a module's referents: on Python 3.12 that walks _asyncio's free list, which
     # then sends the next full collection round forever. A module refers to its dict
@@ -101,6 +110,7 @@ def child(entry: str, warmup: int, worlds: int, every: int) -> dict[str, Any]:
     pins_dtensor_specs()  # its probe pins a spec on a torch that leaks: before counting starts
     samples: list[tuple[int, float, int, int]] = []
     before: set[int] = set()
+    kept: list[object] = []
     start = time.monotonic()
 
     def after(i: int) -> None:
@@ -108,8 +118,11 @@ def child(entry: str, warmup: int, worlds: int, every: int) -> dict[str, Any]:
         done = i + 1
         if done >= warmup and ((done - warmup) % every == 0 or done == warmup + worlds):
             gc.collect()
-            if not samples:
-                before = {id(o) for o in gc.get_objects()}
+            if not samples and pins_dtensor_specs():
+                # held, not only their ids: a new object at a dead one's address would
+                # read as old. (It keeps them alive, so the growth counted can only rise.)
+                kept.extend(gc.get_objects())
+                before = {id(o) for o in kept}
             rss, count = _rss_mb(), len(gc.get_objects())  # before counting allocates
             samples.append((done - warmup, rss, count, _pinned_by_torch(before)))
             print(f"  {entry}: {done - warmup} worlds after warm-up, {samples[-1][1]:.0f} MB", file=sys.stderr)
