@@ -17,7 +17,8 @@ turns (see ``_turns``), and this module gives each its own generators:
 torch.nn's global module hooks (``register_module_forward_hook`` and the like, which
 ``CommDebugMode`` and ``ModTracker`` use) are module globals too, and so is torch's
 default dtype (``torch.set_default_dtype``): the rank that takes its turn puts its own
-in force (a few attribute writes), so that each rank's hooks see its modules only.
+in force (a few attribute writes), so that each rank's hooks see its modules only
+and its new tensors get its dtype.
 
 Every rank starts with a copy of the states of the thread that called ``spawn`` (as a
 forked process would); that thread gets its own states back when the world ends.

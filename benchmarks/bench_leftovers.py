@@ -81,7 +81,7 @@ def _pinned_by_torch(before: set[int]) -> int:
     # then sends the next full collection round forever. A module refers to its dict
     # and state, never to such a tuple.
     for o in objects:
-        if type(o) is not types.ModuleType and o is not orphans:
+        if type(o) is not types.ModuleType:
             for r in gc.get_referents(o):
                 orphans.pop(id(r), None)
     stack = list(orphans.values())
