@@ -267,3 +267,24 @@ def test_bench_process_harness_in_process(tmp_path: Path) -> None:
     data = json.loads(out.read_text())["test_process_harness.py"]["aiocoll"]
     assert sorted(data["outcomes"].values()) == ["pass", "pass"]
     assert data["exit"] == 0
+
+
+def test_bench_cuda_quick_on_the_cpu() -> None:
+    # the GPU benchmark's own logic (checked first ops, the table) runs anywhere with --device cpu
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_ALLREDUCE.parent / "bench_cuda.py"), "--quick", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines[1].split()
+    assert header[:4] == ["op", "W", "size", "iters"]
+    rows = [line.split() for line in lines if line.split()[:1] in (["all_reduce"], ["all_gather"])]
+    assert [r[:4] for r in rows] == [["all_reduce", "2", "1", "3"], ["all_gather", "2", "1", "3"]]
+    for row in rows:
+        assert all(float(cell.replace(",", "")) > 0 for cell in row[4:8]), row  # every system ran
+        assert all(cell.endswith("x") for cell in row[8:]), row
+    assert "could not run" not in proc.stdout

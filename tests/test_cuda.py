@@ -534,6 +534,10 @@ def test_cuda_wait_orders_the_stream_without_a_host_sync() -> None:
         w = comm.all_reduce(t)
         w.wait()
         early = not w.done()  # wait() returned while the GPU still spins
+        # Every rank looks before any reads to the host: ranks take turns, so a rank that
+        # synchronised first would keep the others from looking until the GPU were done.
+        # (Found on a GPU: this test, written without one, read first.)
+        comm.barrier().wait()
         out = (t + 0)[[0, -1]].tolist()  # on the current stream: ordered after the op
         return early, out
 
