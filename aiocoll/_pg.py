@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from . import _frdump, _torch
+from . import _cuda, _frdump, _torch
 from . import _ops as ops
 from ._comm import Comm
 from ._errors import (
@@ -128,8 +128,44 @@ class _Waiters:
 _waiters = _Waiters()
 
 
-def when_done(work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done) -> None:
-    """Call ``fn(None)`` (or ``fn(error)``) on ``loop``'s thread once ``work`` completes."""
+class _Completed:
+    """``work.is_completed()`` as an event the loop can poll (``_cuda.watch``)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def query(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def when_done(
+    work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done, *, on_device: bool = False, wait: bool = True
+) -> None:
+    """Call ``fn(None)`` (or ``fn(error)``) on ``loop``'s thread once ``work`` completes.
+
+    ``on_device``: the work runs on an accelerator's stream. NCCL completes such a work's
+    future when the op is *enqueued*; the op is done once ``work.is_completed()`` (a
+    non-blocking event query), which the loop then polls as it polls aiocoll's own CUDA
+    ops. Then ``work.wait()`` (``wait=True``) raises the op's error, if any, and orders the
+    loop thread's current stream after the op, without blocking: the op is done. Pass
+    ``wait=False`` for a barrier, whose ``wait()`` synchronises the whole current stream.
+    """
+    if on_device:
+        then = fn
+
+        def finish() -> None:
+            if wait:
+                work.wait()
+
+        def fn(exc: BaseException | None) -> None:  # on the loop
+            if exc is not None:
+                then(exc)
+                return
+            polled = _cuda.watch(loop, _Completed(work), finish)
+            polled.add_done_callback(lambda f: then(f.exception()))
+
     box = [fn]
     try:
         tfut = work.get_future()
@@ -148,10 +184,13 @@ def when_done(work: dist.Work, loop: asyncio.AbstractEventLoop, fn: _Done) -> No
     tfut.add_done_callback(done)
 
 
-def bridge_work(work: dist.Work, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[None]:
+def bridge_work(
+    work: dist.Work, loop: asyncio.AbstractEventLoop | None = None, *, on_device: bool = False
+) -> asyncio.Future[None]:
     """An asyncio future of ``loop`` (default: the running loop) completed when ``work`` is.
 
-    Its result is None, or the torch error the work failed with. For use on a real group::
+    Its result is None, or the torch error the work failed with; ``on_device`` as for
+    :func:`when_done`. For use on a real group::
 
         w = dist.all_reduce(t, async_op=True)
         await aiocoll._pg.bridge_work(w)          # the loop runs other tasks meanwhile
@@ -166,7 +205,7 @@ def bridge_work(work: dist.Work, loop: asyncio.AbstractEventLoop | None = None) 
             else:
                 fut.set_exception(exc)
 
-    when_done(work, loop, done)
+    when_done(work, loop, done, on_device=on_device)
     return fut
 
 
@@ -230,8 +269,8 @@ def _device_of(pg: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-async def _wait(work: dist.Work) -> None:
-    await bridge_work(work)
+async def _wait(work: dist.Work, dev: torch.device) -> None:
+    await bridge_work(work, on_device=dev.type != "cpu")
 
 
 def _allgather_opts(timeout: timedelta | None) -> Any:
@@ -259,11 +298,11 @@ async def all_gather_bytes(pg: dist.ProcessGroup, payload: bytes, *, timeout: ti
     """
     w, dev = pg.size(), _device_of(pg)
     sizes = torch.empty(w, dtype=torch.int64, device=dev)
-    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)), dev)
     ns = sizes.tolist()
     most = max(ns)
     out = torch.empty(w * most, dtype=torch.uint8, device=dev)
-    await _wait(_torch.allgather_into(pg, out, _bytes_tensor(payload, most, dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, out, _bytes_tensor(payload, most, dev), _allgather_opts(timeout)), dev)
     out = out.cpu()
     return [_tensor_bytes(out[i * most : i * most + n]) for i, n in enumerate(ns)]
 
@@ -278,10 +317,10 @@ async def broadcast_bytes(
     dev = _device_of(pg)
     mine = pg.rank() == src
     size = _sizes([len(payload) if mine and payload is not None else 0], dev)
-    await _wait(pg.broadcast([size], _bcast_opts(src, timeout)))
+    await _wait(pg.broadcast([size], _bcast_opts(src, timeout)), dev)
     n = int(size.item())
     buf = _bytes_tensor(payload or b"", n, dev) if mine else torch.empty(n, dtype=torch.uint8, device=dev)
-    await _wait(pg.broadcast([buf], _bcast_opts(src, timeout)))
+    await _wait(pg.broadcast([buf], _bcast_opts(src, timeout)), dev)
     return payload if mine and payload is not None else _tensor_bytes(buf)
 
 
@@ -294,7 +333,7 @@ async def gather_bytes(
     """
     w, dev = pg.size(), _device_of(pg)
     sizes = torch.empty(w, dtype=torch.int64, device=dev)
-    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)))
+    await _wait(_torch.allgather_into(pg, sizes, _sizes([len(payload)], dev), _allgather_opts(timeout)), dev)
     ns = sizes.tolist()
     most = max(ns)
     outs = [torch.empty(most, dtype=torch.uint8, device=dev) for _ in range(w)] if pg.rank() == dst else []
@@ -302,7 +341,7 @@ async def gather_bytes(
     o.rootRank = dst
     if timeout is not None:
         o.timeout = timeout
-    await _wait(pg.gather([outs] if outs else [], [_bytes_tensor(payload, most, dev)], o))
+    await _wait(pg.gather([outs] if outs else [], [_bytes_tensor(payload, most, dev)], o), dev)
     if not outs:
         return None
     return [_tensor_bytes(t[:n]) for t, n in zip(outs, ns, strict=True)]
@@ -318,7 +357,7 @@ async def scatter_bytes(
     w, dev = pg.size(), _device_of(pg)
     mine = pg.rank() == src and payloads is not None
     sizes = _sizes([len(p) for p in payloads] if mine and payloads is not None else [0] * w, dev)
-    await _wait(pg.broadcast([sizes], _bcast_opts(src, timeout)))
+    await _wait(pg.broadcast([sizes], _bcast_opts(src, timeout)), dev)
     ns = sizes.tolist()
     most = max(ns)
     out = torch.empty(most, dtype=torch.uint8, device=dev)
@@ -327,7 +366,7 @@ async def scatter_bytes(
     o.rootRank = src
     if timeout is not None:
         o.timeout = timeout
-    await _wait(pg.scatter([out], ins, o))
+    await _wait(pg.scatter([out], ins, o), dev)
     return _tensor_bytes(out[: ns[pg.rank()]])
 
 
@@ -573,10 +612,8 @@ class Issuer:
         def done(exc: BaseException | None) -> None:
             self._finish(fut, call, post, exc)
 
-        when_done(work, loop, done)
-        if self.device.type != "cpu":
-            # an accelerator's work completes on its stream: order the current stream after it
-            fut.add_done_callback(lambda _: work.wait())
+        # a barrier's wait() would synchronise the current stream: it has nothing to order
+        when_done(work, loop, done, on_device=self.device.type != "cpu", wait=not isinstance(call, ops.Barrier))
 
     async def _run_steps(self, steps: _Steps, call: Any, fut: asyncio.Future[Any]) -> None:
         try:

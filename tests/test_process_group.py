@@ -20,6 +20,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
 from datetime import timedelta
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+from aiocoll import _pg
 from aiocoll._presence import Presence
 
 WORLD = 4
@@ -542,6 +544,62 @@ def test_from_process_group_needs_an_initialised_group() -> None:
         aiocoll.from_process_group("world")  # type: ignore[arg-type]
 
 
+class _EnqueuedWork:
+    """A work as NCCL makes one: its future completes at enqueue, the op ``polls`` queries later."""
+
+    def __init__(self, polls: int, error: Exception | None = None) -> None:
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+        self.future.set_result(None)
+        self.left = polls
+        self.error = error
+        self.waited: list[int] = []
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.future
+
+    def is_completed(self) -> bool:
+        self.left -= 1
+        return self.left <= 0
+
+    def wait(self) -> bool:
+        self.waited.append(threading.get_ident())
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+@pytest.mark.asyncio
+async def test_a_device_work_is_awaited_until_the_op_is_done_not_enqueued() -> None:
+    # Found on a GPU: NCCL's future completes at enqueue, so awaiting it returned while the
+    # op still ran (and a barrier's wait() on the loop would block it until every peer came).
+    work = _EnqueuedWork(polls=5)
+    fut = _pg.bridge_work(work, on_device=True)  # type: ignore[arg-type]
+    ticks = 0
+    while not fut.done():
+        ticks += 1
+        await asyncio.sleep(0)
+    await fut
+    assert work.left <= 0  # polled until the op was done...
+    assert ticks >= 5  # ... while the loop ran other tasks
+    assert work.waited == [threading.get_ident()]  # then wait(): on the loop, the op done
+
+    barrier = _EnqueuedWork(polls=3)
+    done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    _pg.when_done(barrier, asyncio.get_running_loop(), done.set_result, on_device=True, wait=False)  # type: ignore[arg-type]
+    assert await done is None
+    assert barrier.left <= 0
+    assert barrier.waited == []
+
+    failing = _EnqueuedWork(polls=2, error=RuntimeError("NCCL error: unhandled system error"))
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        await _pg.bridge_work(failing, on_device=True)  # type: ignore[arg-type]
+
+    host = _EnqueuedWork(polls=5)  # gloo: the future is the completion
+    await _pg.bridge_work(host)  # type: ignore[arg-type]
+    assert host.left == 5
+    assert host.waited == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs 2 GPUs")
 def test_nccl(tmp_path: Path) -> None:  # pragma: no cover - no GPUs here
     code = (
@@ -562,6 +620,67 @@ def test_nccl(tmp_path: Path) -> None:  # pragma: no cover - no GPUs here
     script.write_text(code)
     r = _torchrun(script, 2)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+_NCCL_ONE = """
+import asyncio, sys, time, torch, torch.distributed as dist, aiocoll
+sys.path.insert(0, {tests!r})
+from test_cuda_streams import async_table
+async def main():
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    comm = aiocoll.from_process_group()
+    out = await async_table(comm, torch.device("cuda", 0))
+    out["objects"] = await comm.all_gather_object({{"rank": comm.rank}})
+    # the await lasts until NCCL's op is done, ~250 ms after a producer kernel; the loop serves meanwhile
+    t = torch.ones(64 << 20, device="cuda")  # 256 MB
+    torch.cuda._sleep(500_000_000)
+    t.mul_(3)
+    ticks = 0
+    async def ticker(w):
+        nonlocal ticks
+        while not w.done():
+            await asyncio.sleep(0.001)
+            ticks += 1
+    w = comm.all_reduce(t)
+    start = time.perf_counter()
+    await asyncio.gather(w, ticker(w))
+    out["big"] = (time.perf_counter() - start, ticks, t[[0, -1]].tolist())
+    torch.save(out, {out!r})
+    dist.destroy_process_group()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_in_one_process(tmp_path: Path) -> None:  # pragma: no cover - no GPUs here
+    # The only NCCL world one GPU allows: every collective through from_process_group, equal
+    # to the same table in-process on the CPU, and the loop serving other tasks meanwhile.
+    from test_cuda_streams import async_table
+
+    script = tmp_path / "nccl_one.py"
+    result = tmp_path / "out.pt"
+    script.write_text(_NCCL_ONE.format(tests=str(ROOT / "tests"), out=str(result)))
+    r = _torchrun(script, 1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = torch.load(result)
+
+    async def cpu(comm: aiocoll.Comm) -> dict[str, Any]:
+        return await async_table(comm, torch.device("cpu"))
+
+    (want,) = aiocoll.spawn(cpu, world=1, torch_distributed=False)
+    took, ticks, big = got.pop("big")
+    assert got.pop("objects") == [{"rank": 0}]
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        g = got[k]
+        pairs = zip(g, v, strict=True) if isinstance(v, list) else [(g, v)]
+        for a, b in pairs:
+            assert a.dtype == b.dtype, k
+            assert torch.equal(a, b), f"{k}: {a} != {b}"
+    assert big == [3.0, 3.0]
+    assert took > 0.1, took  # the await lasted until the op was done...
+    assert ticks >= 20, ticks  # ... and the loop served the ticker meanwhile
 
 
 # -- torchrun and the example -------------------------------------------------------------------
