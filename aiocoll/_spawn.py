@@ -543,6 +543,15 @@ def _start_thread(
                 session.start()
             try:
                 ok, value = True, fn(EngineComm(w, w.group, st.rank, threaded=True))
+                if inspect.iscoroutine(value):
+                    # e.g. spawn(lambda comm: worker(comm, x)): a plain function that made a
+                    # coroutine, which nobody would await (and whose result would be lost)
+                    value.close()
+                    raise InvalidArgumentError(
+                        f"spawn: {getattr(fn, '__qualname__', fn)!r} is a plain function but returned a coroutine "
+                        f"on rank {st.rank}; "
+                        "pass an async def (or functools.partial of one) to run async ranks"
+                    )
             finally:
                 if session is not None:
                     session.finish()

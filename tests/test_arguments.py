@@ -452,3 +452,13 @@ def test_spawn_rejects_bad_loop(choice: object) -> None:
         aiocoll.spawn(fn, world=2, loop=choice)
     assert "spawn" in str(ei.value)
     assert ran == []
+
+
+def test_a_plain_function_that_returns_a_coroutine_is_refused() -> None:
+    # spawn(lambda comm: worker(comm, x)) looks like a sync rank: say so, instead of
+    # returning coroutine objects that nobody awaits
+    async def worker(comm: aiocoll.Comm, x: int) -> int:
+        return x  # pragma: no cover - never awaited
+
+    with pytest.raises(aiocoll.InvalidArgumentError, match=r"returned a coroutine on rank 0; pass an async def"):
+        aiocoll.spawn(lambda comm: worker(comm, 1), world=2)
