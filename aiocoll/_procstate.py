@@ -11,9 +11,12 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   it, where the last writer wins; it is put back as it was once the test ends.
 - ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
   signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
-  wait for each other inside gloo) raise ``NeedsProcess`` in a rank thread instead of
-  ending, disturbing or hanging the whole test process; the harness then runs that
+  wait for each other inside gloo, ``logging``'s configuration) raise ``NeedsProcess``
+  in a rank thread instead of ending, disturbing or hanging the whole test process (or
+  configuring it for every rank and the rest of the run); the harness then runs that
   test in processes after all.
+- ``RankExit``: what a rank's test code registers with ``atexit`` runs when the rank
+  ends, as its process's exit would run it, not when the test run ends.
 - ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
   (``Store.get``, ``wait``, ``multi_get`` called from Python) gives its turn to the
   other ranks meanwhile, as a process would leave them the CPU; ranks that poll a file
@@ -30,18 +33,34 @@ act only in threads bound to a rank (``bind``); every other thread sees the real
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import logging.config
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Cooperative", "NeedsProcess", "ProcessOnly", "ProcessState", "RankEnviron", "bind", "bound_rank", "unbind"]
+__all__ = [
+    "Cooperative",
+    "NeedsProcess",
+    "ProcessOnly",
+    "ProcessState",
+    "RankEnviron",
+    "RankExit",
+    "bind",
+    "bound_rank",
+    "run_exit_handlers",
+    "unbind",
+]
 
 
 class NeedsProcess(BaseException):
@@ -100,6 +119,7 @@ class _Bound(threading.local):
     rank: int | None = None
     environ: RankEnviron | None = None
     pause: Callable[[float], None] | None = None
+    exits: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] | None = None
 
 
 _bound = _Bound()
@@ -108,11 +128,26 @@ _Store: Any = dist.Store  # type: ignore[attr-defined]  # (its stubs do not expo
 
 def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> None:
     """In a harness rank's thread, before its code runs; ``pause(s)`` waits ``s`` seconds, letting others run."""
-    _bound.rank, _bound.environ, _bound.pause = rank, environ, pause
+    _bound.rank, _bound.environ, _bound.pause, _bound.exits = rank, environ, pause, []
 
 
 def unbind() -> None:
-    _bound.rank, _bound.environ, _bound.pause = None, None, None
+    _bound.rank, _bound.environ, _bound.pause, _bound.exits = None, None, None, None
+
+
+def run_exit_handlers() -> None:
+    """Run what the calling rank registered with ``atexit`` (last first), as its process's exit would.
+
+    An error is printed and the next handler runs, as at an interpreter's exit.
+    """
+    exits = _bound.exits
+    while exits:
+        fn, args, kwargs = exits.pop()
+        try:
+            fn(*args, **kwargs)
+        except BaseException:
+            print(f"aiocoll: rank {_bound.rank}: exception ignored in atexit callback {fn!r}:", file=sys.stderr)
+            traceback.print_exc()
 
 
 def bound_rank() -> int | None:
@@ -218,7 +253,39 @@ class ProcessOnly:
         refuse(signal, "signal", lambda sig, handler: f"installed a handler for signal {sig}")
         refuse(signal, "alarm", lambda seconds: f"set an alarm ({seconds} s)")
         refuse(signal, "setitimer", lambda which, seconds, interval=0.0: "set an interval timer")
+        # logging's configuration is the process's: one rank's would be every rank's, and the test run's after
+        refuse(logging, "basicConfig", lambda *a, **k: "configured logging (logging.basicConfig)")
+        refuse(logging.config, "dictConfig", lambda *a, **k: "configured logging (logging.config.dictConfig)")
+        refuse(logging.config, "fileConfig", lambda *a, **k: "configured logging (logging.config.fileConfig)")
         return out
+
+
+class RankExit:
+    """``atexit`` per rank: what a rank's test code registers runs when the rank ends, as at its process's exit.
+
+    Registrations made by a module's top-level code (an import) stay the process's: the
+    module serves every rank, and its clean-up must not run while others still use it.
+    """
+
+    @staticmethod
+    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+        real_register, real_unregister = atexit.register, atexit.unregister
+
+        def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+            exits = _bound.exits
+            if exits is None or sys._getframe(1).f_code.co_name == "<module>":
+                return real_register(func, *args, **kwargs)
+            exits.append((func, args, kwargs))
+            return func
+
+        def unregister(func: Callable[..., Any]) -> None:
+            exits = _bound.exits
+            if exits is not None:
+                exits[:] = [e for e in exits if e[0] != func]
+            real_unregister(func)
+
+        register.__doc__, unregister.__doc__ = real_register.__doc__, real_unregister.__doc__
+        return [(atexit, "register", register), (atexit, "unregister", unregister)]
 
 
 class Cooperative:
@@ -282,6 +349,7 @@ class ProcessState:
                 return
             patches = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
             patches += ProcessOnly.wrappers()
+            patches += RankExit.wrappers()
             patches += Cooperative.wrappers()
             for owner, name, fn in patches:
                 self._saved.append(

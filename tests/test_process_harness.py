@@ -10,6 +10,8 @@ the failing ones can be checked too.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import random
 import signal
@@ -260,6 +262,9 @@ class NeedsProcesses(_Case):
     def test_separate_worlds(self) -> None:
         dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
 
+    def test_logging_config(self) -> None:
+        logging.basicConfig(level=logging.INFO, force=True)
+
     def test_sparse_all_reduce(self) -> None:  # gloo reduces sparse tensors; aiocoll does not
         self.init()
         dist.all_reduce(torch.sparse_coo_tensor([[self.rank]], [1.0], size=(2,)))
@@ -404,6 +409,24 @@ class ContinuousDies(_OnTheCpu):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         if self.rank == 1:
             os._exit(3)
+
+
+class AtExit(_Case):
+    """A rank's atexit handlers run when the rank ends, as at its process's exit: in order, last first."""
+
+    world = 2
+
+    def test_handlers(self) -> None:
+        self.init()
+        ran = seen.setdefault("atexit", [])
+        atexit.register(ran.append, (self.rank, "first"))
+        atexit.register(ran.append, (self.rank, "second"))
+        atexit.register(ran.append, (self.rank, "dropped"))
+        atexit.unregister(ran.append)  # (all three: unregister goes by function)
+        atexit.register(lambda: ran.append((self.rank, "last registered")))
+        atexit.register(lambda: ran.append((self.rank, "runs first")))
+        dist.barrier()
+        assert [w for r, w in ran if r == self.rank] == []  # not yet: this rank has not ended
 
 
 class NoRanks(DTensorTestBase):
@@ -674,6 +697,18 @@ def test_a_world_of_no_ranks_passes_as_on_torchs_harness(harness: ProcessHarness
     assert harness.fallbacks == []
 
 
+def test_a_ranks_atexit_handlers_run_when_it_ends(harness: ProcessHarnessReplacement) -> None:
+    seen.pop("atexit", None)
+    result = run_case(AtExit)
+    assert result.wasSuccessful(), problems(result)
+    ran = seen["atexit"]
+    assert sorted(ran) == sorted((r, w) for r in (0, 1) for w in ("runs first", "last registered"))
+    for r in (0, 1):  # each rank's in reverse order of registration
+        assert [w for q, w in ran if q == r] == ["runs first", "last registered"]
+    assert harness.fallbacks == []
+    assert not hasattr(atexit.register, "__wrapped__")  # the test process's own atexit, outside ranks
+
+
 def test_a_world_of_no_ranks_passes_on_torchs_harness() -> None:
     result = run_case(NoRanks)  # torch's own harness: what the drop-in mirrors
     assert result.wasSuccessful(), problems(result)
@@ -694,6 +729,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_exit_codes_checked",
             "test_sparse_all_reduce",
             "test_backend_by_name",
+            "test_logging_config",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -704,7 +740,9 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
-    assert len(harness.fallbacks) == 7
+    assert "configured logging (logging.basicConfig)" in reasons["test_logging_config"]
+    assert len(harness.fallbacks) == 8
+    assert not hasattr(logging.basicConfig, "__wrapped__")
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
