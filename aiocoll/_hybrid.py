@@ -10,7 +10,7 @@ Exchanging whole calls costs bandwidth (each process receives every rank's input
 is for tests and simulations of large worlds, not a fast data path.
 
 The bridge talks to torch only through the process group object (an all-gather into one
-tensor, ``_pg.all_gather_bytes``), on a task of its own in a context with no rank in it, so
+tensor, ``_pgbytes.all_gather_bytes``), on a task of its own in a context with no rank in it, so
 neither aiocoll's per-rank c10d state nor its task tracking sees it.
 
 A process that exits or dies is named: every process of a hybrid world beats in the job's
@@ -38,7 +38,9 @@ from . import _device
 from . import _ops as ops
 from ._engine import EngineWork, Group, Rendezvous, World, mismatch_message
 from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
-from ._pg import Issuer, _create_group, all_gather_bytes
+from ._pg import create_group
+from ._pgbytes import all_gather_bytes
+from ._pgissue import Issuer
 from ._presence import Presence, StoreUnreachable
 from ._work import Site, fmt_site
 
@@ -438,7 +440,7 @@ class PGBridge:
             name = f"{self.name}/aiocoll-hybrid{self.hybrid.id}/{self.group.name}/{rdv.seq}.{ranks[0]}"
             if len(procs) < 2 or self.hybrid.proc not in procs:
                 continue
-            pg = await asyncio.to_thread(_create_group, self.hybrid.pg, [pg_ranks[p] for p in procs], name)
+            pg = await asyncio.to_thread(create_group, self.hybrid.pg, [pg_ranks[p] for p in procs], name)
             self.hybrid._made[ranks].append(pg)
 
     def __repr__(self) -> str:

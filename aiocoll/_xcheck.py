@@ -53,7 +53,7 @@ from ._work import Site, fmt_site
 
 
 class _Issuer(Protocol):
-    """What a checker needs of its group's issuer (``_pg.Issuer``)."""
+    """What a checker needs of its group's issuer (``_pgissue.Issuer``)."""
 
     pg: dist.ProcessGroup
     rank: int
@@ -72,7 +72,7 @@ class _Issuer(Protocol):
         ...
 
 
-# when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pg's)
+# when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pgbridge's)
 _WhenDone = Callable[[dist.Work, asyncio.AbstractEventLoop, Callable[[BaseException | None], None]], None]
 
 __all__ = ["Checker", "fingerprint"]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import _pg
+from aiocoll import _pgbridge
 from aiocoll._presence import Presence
 
 WORLD = 4
@@ -573,7 +573,7 @@ async def test_a_device_work_is_awaited_until_the_op_is_done_not_enqueued() -> N
     # Found on a GPU: NCCL's future completes at enqueue, so awaiting it returned while the
     # op still ran (and a barrier's wait() on the loop would block it until every peer came).
     work = _EnqueuedWork(polls=5)
-    fut = _pg.bridge_work(work, on_device=True)  # type: ignore[arg-type]
+    fut = _pgbridge.bridge_work(work, on_device=True)  # type: ignore[arg-type]
     ticks = 0
     while not fut.done():
         ticks += 1
@@ -585,17 +585,17 @@ async def test_a_device_work_is_awaited_until_the_op_is_done_not_enqueued() -> N
 
     barrier = _EnqueuedWork(polls=3)
     done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-    _pg.when_done(barrier, asyncio.get_running_loop(), done.set_result, on_device=True, wait=False)  # type: ignore[arg-type]
+    _pgbridge.when_done(barrier, asyncio.get_running_loop(), done.set_result, on_device=True, wait=False)  # type: ignore[arg-type]
     assert await done is None
     assert barrier.left <= 0
     assert barrier.waited == []
 
     failing = _EnqueuedWork(polls=2, error=RuntimeError("NCCL error: unhandled system error"))
     with pytest.raises(RuntimeError, match="NCCL error"):
-        await _pg.bridge_work(failing, on_device=True)  # type: ignore[arg-type]
+        await _pgbridge.bridge_work(failing, on_device=True)  # type: ignore[arg-type]
 
     host = _EnqueuedWork(polls=5)  # gloo: the future is the completion
-    await _pg.bridge_work(host)  # type: ignore[arg-type]
+    await _pgbridge.bridge_work(host)  # type: ignore[arg-type]
     assert host.left == 5
     assert host.waited == []
 
