@@ -40,6 +40,7 @@ import logging.config
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -263,9 +264,21 @@ class ProcessOnly:
 class RankExit:
     """``atexit`` per rank: what a rank's test code registers runs when the rank ends, as at its process's exit.
 
-    Registrations made by a module's top-level code (an import) stay the process's: the
-    module serves every rank, and its clean-up must not run while others still use it.
+    Registrations made by an import (a module's top-level code), by the standard library or
+    by an installed package stay the process's: those serve every rank, and their clean-up
+    must not run while others still use them (``weakref.finalize`` registers its exit hook
+    the first time one is made, wherever that is, and running it would end every
+    finalizer of the process).
     """
+
+    LIBRARIES = tuple(
+        sorted({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    )
+
+    @staticmethod
+    def _the_process_s(caller: Any) -> bool:
+        code = caller.f_code
+        return bool(code.co_name == "<module>" or code.co_filename.startswith(RankExit.LIBRARIES))
 
     @staticmethod
     def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
@@ -273,7 +286,7 @@ class RankExit:
 
         def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
             exits = _bound.exits
-            if exits is None or sys._getframe(1).f_code.co_name == "<module>":
+            if exits is None or RankExit._the_process_s(sys._getframe(1)):
                 return real_register(func, *args, **kwargs)
             exits.append((func, args, kwargs))
             return func

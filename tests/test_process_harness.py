@@ -19,6 +19,7 @@ import sys
 import time
 import unittest
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -789,3 +790,19 @@ def test_bad_arguments() -> None:
         replace_process_harness(timeout=0)
     with pytest.raises(aiocoll.InvalidArgumentError, match="fallback"):
         replace_process_harness(fallback="maybe")
+
+
+def test_atexit_registrations_of_libraries_and_imports_stay_the_processs() -> None:
+    # weakref.finalize registers its exit hook inside a function, the first time one is
+    # made: run at a rank's end, it would end every finalizer of the process
+    from types import SimpleNamespace
+
+    from aiocoll._procstate import RankExit
+
+    def frame(name: str, filename: str) -> Any:
+        return SimpleNamespace(f_code=SimpleNamespace(co_name=name, co_filename=filename))
+
+    assert RankExit._the_process_s(frame("__init__", weakref.__file__))
+    assert RankExit._the_process_s(frame("f", os.path.join(os.path.dirname(torch.__file__), "x.py")))
+    assert RankExit._the_process_s(frame("<module>", __file__))  # an import of the test's own
+    assert not RankExit._the_process_s(frame("test_handlers", __file__))
