@@ -11,7 +11,9 @@ this one, and see its objects through protocols):
   their ranks;
 - ``_p2p.P2PMatcher``: matches sends with recvs, and times out the unmatched;
 - ``_liveness.Liveness``: counts live and blocked ranks, and reports a deadlock;
-- ``_inject.FaultInjector``: holds back the works that faults hang or delay.
+- ``_inject.FaultInjector``: holds back the works that faults hang or delay;
+- ``_tasks.RankTasks`` (one per rank) and the task factory: which asyncio tasks act for
+  a rank, and which of them wait only for others of the rank (gathers).
 
 Everything here runs on the world's event loop thread, or, for sync ranks that take
 turns (``_turns``), in the thread of the rank that holds the turn, under the world's
@@ -21,7 +23,7 @@ Deadlock detection rests on one invariant: a Work can only complete when some ra
 makes a call. So if every live rank is *blocked* (each of its tasks is awaiting an
 unfinished Work of this world) and no op is executing, nothing can ever complete.
 Tasks a rank creates count as that rank's (a task factory tracks them through a
-context variable), so a rank with a busy helper task is never taken for blocked.
+context variable, ``_tasks``), so a rank with a busy helper task is never taken for blocked.
 """
 
 from __future__ import annotations
@@ -31,19 +33,17 @@ import asyncio
 import contextlib
 import contextvars
 import enum
-import functools
 import itertools
 import random
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from . import _cuda
+from . import _cuda, _tasks
 from ._deadlines import Deadlines
 from ._errors import (
     AiocollError,
@@ -60,6 +60,7 @@ from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
 from ._runner import OpRunner
 from ._stats import RankStatistics, StateName, Statistics
+from ._tasks import CONTEXTS, RankTasks, task_factory
 from ._turns import TurnEvent, Turns
 from ._work import Site, Work, fmt_site
 
@@ -167,9 +168,6 @@ class RankState:
         "activity",
         "completed",
         "error",
-        "gathering",
-        "helpers",
-        "holding",
         "injected",
         "issued",
         "live",
@@ -177,10 +175,8 @@ class RankState:
         "parked",
         "phase",
         "rank",
-        "recheck",
         "record",
-        "starting",
-        "task",
+        "tasks",
         "waiting",
         "world",
     )
@@ -193,13 +189,7 @@ class RankState:
         self.live = 0  # tasks (or threads) acting for this rank
         self.parked = 0  # of those, how many await an unfinished Work
         self.waiting: list[EngineWork] = []
-        self.task: asyncio.Task[Any] | None = None
-        self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
-        # its tasks counted parked in a gather (below), each with how many tasks it waits for
-        self.gathering: dict[asyncio.Future[Any], int] = {}
-        self.holding: dict[asyncio.Future[Any], asyncio.Future[Any]] = {}  # a task -> the gathering task it holds
-        self.starting = 0  # task factory calls under way (an eager one runs the task's first step)
-        self.recheck = False  # a look for gathers is due on the loop's next turn (see parked_one)
+        self.tasks = RankTasks(self, world.loop)  # the tasks acting for it (see aiocoll._tasks)
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
@@ -233,118 +223,17 @@ class RankState:
             lv = self.liveness
             lv.blocked += 1
             lv.check()
-        elif self.starting:
+        elif self.tasks.starting:
             # A task started eagerly (asyncio.eager_task_factory) parks before the task
             # that created it awaits it: look for gathers once that task has yielded.
-            self.recheck_soon()
+            self.tasks.recheck_soon()
         else:
-            self.look_for_gatherers()
-
-    def look_for_gatherers(self) -> None:
-        """Run ``_park_gatherers`` if few of its tasks are left unparked (see ``_GATHER_SCAN``)."""
-        if self.helpers and self.task is not None and 0 < self.live - self.parked <= _GATHER_SCAN:
-            self._park_gatherers()
-
-    def recheck_soon(self) -> None:
-        """Look for gathers on the loop's next turn, once the tasks running now have yielded."""
-        if not self.recheck:
-            self.recheck = True
-            self.world.loop.call_soon(self._recheck)
-
-    def _recheck(self) -> None:
-        self.recheck = False
-        self.look_for_gatherers()
+            self.tasks.look_for_gatherers()
 
     def unparked(self) -> None:
         if self.parked == self.live:
             self.liveness.blocked -= 1
         self.parked -= 1
-
-    def _park_gatherers(self) -> None:
-        """Count as parked its tasks that await one of its own tasks, or a gather of them only.
-
-        Such a task cannot act before those tasks end, and they are counted themselves:
-        so a rank in ``await asyncio.gather(comm.all_reduce(a), comm.recv(b, src=1))``
-        (or in ``await task`` of a task in ``recv``) is blocked exactly when the ops
-        wait, and a deadlock there is reported at once. Runs when few of its tasks are
-        left unparked, as one of them parks or ends: a gather's tasks first run once the
-        gathering task awaits it, so one that waits in an op is seen; tasks started
-        eagerly are looked at on the loop's next turn (see ``parked_one``). (Tasks that
-        all waited long before they were awaited, with no task of the rank ending since,
-        are not: their deadlock is reported at the timeout.)
-        """
-        main = self.task
-        if len(self.helpers) == 1 and main is not None and main not in self.gathering:
-            # the common shape, made short: its own task awaits its only task
-            waiter = _gathering(main)
-            if waiter is not None and waiter in self.helpers and not waiter.done():
-                self.gathering[main] = 1
-                self.holding[waiter] = main
-                self._change(0, 1)
-                return
-        found = []
-        claimed: set[asyncio.Future[Any]] = set()
-        gatherers: list[asyncio.Future[Any]] = []
-        if len(self.helpers) <= _GATHER_HELPERS:  # (a look at each: not on every op of a rank of thousands)
-            gatherers = [t for t in self.helpers if _awaits_own(t, self.helpers)]
-        for task in (self.task, *gatherers):
-            if task is None or task in self.gathering:
-                continue
-            leaves = self._leaves_of(_gathering(task))
-            # a task gathered twice (by two tasks) is left to the first: the second counts as running
-            if leaves and not any(leaf in self.holding or leaf in claimed for leaf in leaves):
-                found.append((task, leaves))
-                claimed |= leaves
-        for task, leaves in found:
-            self.gathering[task] = len(leaves)
-            for leaf in leaves:
-                self.holding[leaf] = task  # (no list per leaf: thousands of them would cost the GC)
-            waiter = _gathering(task)
-            assert waiter is not None
-            if waiter not in self.helpers:  # (a task of the rank says so as it ends: _helper_done)
-                waiter.add_done_callback(functools.partial(self._gather_done, task))
-        if found:
-            self._change(0, len(found))
-
-    def _leaves_of(self, gather: asyncio.Future[Any] | None) -> set[asyncio.Future[Any]] | None:
-        """The tasks of this rank that ``gather`` (a gather, or anything else) waits for, if it waits for no other.
-
-        Nested gathers are looked into. None if it waits for something outside the rank
-        (a timer, I/O...), for nothing, or may end any moment: a child failed or was
-        cancelled (the children done so far must have succeeded).
-        """
-        if gather in self.helpers:  # (awaited directly)
-            assert gather is not None
-            return None if gather.done() else {gather}
-        children = _children(gather)
-        if children is None:
-            return None
-        leaves: set[asyncio.Future[Any]] = set()
-        for c in children:
-            if c.done():
-                if c.cancelled() or c.exception() is not None:
-                    return None
-            elif c in self.helpers:
-                leaves.add(c)
-            else:
-                inner = self._leaves_of(c)
-                if inner is None:
-                    return None
-                leaves |= inner
-        return leaves or None
-
-    def _gather_done(self, task: asyncio.Future[Any], _gather: asyncio.Future[Any]) -> None:
-        self.resumed(task)
-
-    def resumed(self, task: asyncio.Future[Any] | None) -> None:
-        """``task`` runs again, or is about to: it no longer counts as parked in a gather.
-
-        A gather's end wakes its task before the engine hears of it (the task's callback
-        came first). So the last task a gather waits for says so as it ends (see
-        ``_helper_done``), and a task of ``gathering`` that parks on a Work says so too.
-        """
-        if task is not None and self.gathering.pop(task, None) is not None:
-            self._change(0, -1)
 
     def enter(self) -> None:
         """A task or thread starts acting for this rank."""
@@ -383,19 +272,6 @@ class RankState:
     def _task_done(self, _task: object) -> None:
         self._change(-1, 0)
 
-    def _helper_done(self, task: asyncio.Future[Any]) -> None:
-        self.helpers.discard(task)
-        # A gather whose last task this was (or which failed) is about to wake its own
-        # task; the engine would hear of it only later: count that task as running now.
-        t = self.holding.pop(task, None)
-        if t is not None and (left := self.gathering.get(t)) is not None:
-            if left == 1 or task.cancelled() or task.exception() is not None:
-                self.resumed(t)
-            else:
-                self.gathering[t] = left - 1
-        self._change(-1, 0)
-        self.look_for_gatherers()  # a task that gathers the ones left may await it now
-
     def status(self) -> str:
         if self.phase is Phase.FAILED and self.error is not None:
             return f"failed with {type(self.error).__name__}: {_first_line(self.error)}"
@@ -420,143 +296,6 @@ class RankState:
 
     def __repr__(self) -> str:
         return f"<RankState rank={self.rank} {self.status()}>"
-
-
-# -- tracking the tasks a rank creates ---------------------------------------------
-
-# When a rank's gathers are looked for: once at most this many of its tasks are left
-# unparked (so at most this many tasks, each awaiting a gather or a task of the rank, are
-# found; nested gathers count as one), and among its helper tasks only while it has at
-# most _GATHER_HELPERS of them (its main task is always looked at). Past that a deadlock
-# is reported at the timeout.
-_GATHER_SCAN = 8
-_GATHER_HELPERS = 32
-
-
-def _gathering(task: asyncio.Future[Any]) -> asyncio.Future[Any] | None:
-    """What ``task`` awaits now (asyncio's ``_fut_waiter``, C and Python tasks alike), if anything."""
-    return getattr(task, "_fut_waiter", None)
-
-
-def _children(fut: asyncio.Future[Any] | None) -> Sequence[asyncio.Future[Any]] | None:
-    """The futures of ``fut`` if it is a pending ``asyncio.gather``; else None.
-
-    Reads asyncio's own names (Python 3.11-3.13): ``_GatheringFuture`` and its
-    ``_children``. Should they change, this says None and gathers are not looked into.
-    """
-    if fut is None or not isinstance(fut, _GatheringFuture) or fut.done():
-        return None
-    children = getattr(fut, "_children", None)
-    return children if isinstance(children, list) else None
-
-
-_GatheringFuture: type = getattr(asyncio.tasks, "_GatheringFuture", type(None))
-
-# Whether a task's context can be read (Task.get_context, Python 3.12+).
-_CONTEXTS = hasattr(asyncio.Task, "get_context")
-
-
-def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) -> bool:
-    """Whether ``task`` awaits a gather, or one of ``helpers`` itself."""
-    waiter = _gathering(task)
-    return isinstance(waiter, _GatheringFuture) or waiter in helpers
-
-
-class _Factory:
-    """What the engine's task factory calls on one loop, and how many worlds use it."""
-
-    __slots__ = ("base", "depth", "guard", "left", "prev", "worlds")
-
-    def __init__(self) -> None:
-        self.worlds = 0
-        self.prev: Any = None  # the factory it calls (None: asyncio.Task)
-        # a factory a rank set and left on the loop as its world ended: it may call the
-        # engine's back (a wrapper of the one it found), which then calls base
-        self.left: Any = None
-        self.base: Any = None
-        self.guard = False  # whether prev is that factory
-        self.depth = 0  # then: calls of prev under way (a call back comes in meanwhile)
-
-    def __repr__(self) -> str:
-        return f"<_Factory worlds={self.worlds} prev={self.prev!r} left={self.left!r}>"
-
-
-_installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Factory] = weakref.WeakKeyDictionary()
-
-
-def _task_factory(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
-) -> asyncio.Future[Any]:
-    f = _installed.get(loop)
-    prev = f.prev if f is not None else None
-    guarded = False
-    if f is not None and f.guard:  # (rare: prev may call this factory back)
-        if f.depth:
-            # called back (or a task made in a first step meanwhile): make it as the
-            # loop did before, not through prev again
-            prev = f.base
-        else:
-            guarded = True
-            f.depth += 1
-    try:
-        st = _rank_var.get()
-        task: asyncio.Future[Any]
-        if st is None or st.phase is not Phase.RUNNING:
-            task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
-            return task
-        # Live before it is made: a factory may run the task's first step at once
-        # (asyncio.eager_task_factory), and a rank whose task parks there is not blocked.
-        st._change(1, 0)
-        st.starting += 1
-        try:
-            task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
-        except BaseException:
-            st._change(-1, 0)
-            raise
-        finally:
-            st.starting -= 1
-    finally:
-        if guarded:
-            f.depth -= 1  # type: ignore[union-attr]
-    if task in st.helpers:
-        # counted already: found by count_all_tasks in its first step, or made by a call back
-        st._change(-1, 0)
-    else:
-        st.helpers.add(task)
-        task.add_done_callback(st._helper_done)  # (called soon if its first step ended it)
-    return task
-
-
-def _install_factory(loop: asyncio.AbstractEventLoop) -> None:
-    current = loop.get_task_factory()
-    f = _installed.get(loop)
-    if f is None:
-        f = _installed[loop] = _Factory()
-    if f.worlds == 0 and current is not _task_factory:
-        f.prev = current
-        f.guard = current is not None and current is f.left
-        loop.set_task_factory(_task_factory)  # type: ignore[arg-type]
-    f.worlds += 1
-
-
-def _uninstall_factory(loop: asyncio.AbstractEventLoop) -> None:
-    f = _installed[loop]
-    f.worlds -= 1
-    if f.worlds:
-        return
-    left = f.prev if f.guard else None  # a factory left before, which calls this one back
-    if left is not None:
-        f.prev, f.guard = f.base, False
-    current = loop.get_task_factory()
-    if current is not _task_factory:
-        # A rank left its factory on the loop: it may call this one, which goes on
-        # calling what it called (the entry stays for that)
-        f.left, f.base = current, f.prev
-    elif left is not None:
-        loop.set_task_factory(left)  # (it calls this one back, which calls base)
-    else:
-        loop.set_task_factory(f.prev)
-        del _installed[loop]
 
 
 # -- Work ----------------------------------------------------------------------------
@@ -632,8 +371,8 @@ class EngineWork(Work):
         if not fut.done():
             st = _rank_var.get()
             if st is not None and st.world is self._rank.world:
-                if st.gathering and (task := asyncio.current_task()) in st.gathering:
-                    st.resumed(task)  # it awaited a gather until now (see RankState.resumed)
+                if st.tasks.gathering and (task := asyncio.current_task()) in st.tasks.gathering:
+                    st.tasks.resumed(task)  # it awaited a gather until now (see RankTasks.resumed)
                 st.world.park(self, st)
             try:
                 yield from fut
@@ -1181,11 +920,11 @@ class World:
         """Cancel every task of every rank still running; return them to be awaited."""
         out: list[asyncio.Future[Any]] = []
         for st in self.ranks:
-            for t in [st.task, *st.helpers]:
+            for t in [st.tasks.task, *st.tasks.helpers]:
                 if t is not None and not t.done():
                     t.cancel(msg)
                     out.append(t)
-        if _CONTEXTS and self.rank_coros and threading.get_ident() == self.loop_thread:
+        if CONTEXTS and self.rank_coros and threading.get_ident() == self.loop_thread:
             for _, task in self._tasks_of_ranks():  # (made through a factory a rank set)
                 task.cancel(msg)
                 out.append(task)
@@ -1206,7 +945,7 @@ class World:
         """Make sure every task of the ranks is counted; false if that cannot be known.
 
         The engine counts the tasks a rank makes through the loop's task factory (see
-        ``_task_factory``). A rank may set another one while it runs, as in
+        ``aiocoll._tasks``). A rank may set another one while it runs, as in
         ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``, and may
         put the old one back: the tasks made through it are found here by the rank in
         their context, and counted from now on. Python 3.11 cannot read a task's
@@ -1216,24 +955,24 @@ class World:
         if not self.rank_coros or threading.get_ident() != self.loop_thread:
             return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
         found: list[tuple[RankState, asyncio.Task[Any]]] = []
-        if _CONTEXTS:
+        if CONTEXTS:
             # (a rank that returned may have tasks left, which still act for it)
             found = [(st, t) for st, t in self._tasks_of_ranks() if st.phase in (Phase.RUNNING, Phase.RETURNED)]
-        elif self.untracked is None and (factory := self.loop.get_task_factory()) is not _task_factory:
+        elif self.untracked is None and (factory := self.loop.get_task_factory()) is not task_factory:
             self.untracked = repr(factory)
         if self.untracked is not None:
             return False
         for st, task in found:
             st.live += 1
-            st.helpers.add(task)
-            task.add_done_callback(st._helper_done)
+            st.tasks.helpers.add(task)
+            task.add_done_callback(st.tasks.helper_done)
         # Tasks out of sight that parked leave the world's totals off: count them again.
         lv = self.liveness
         lv.live = sum(st.live > 0 for st in self.ranks)
         lv.blocked = sum(st.blocked for st in self.ranks)
         for st in {st for st, _ in found}:
-            st.look_for_gatherers()  # a task that awaits the ones found may wait for nothing else
-            st.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
+            st.tasks.look_for_gatherers()  # a task that awaits the ones found may wait for nothing else
+            st.tasks.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
         return True
 
     def _tasks_of_ranks(self) -> list[tuple[RankState, asyncio.Task[Any]]]:
@@ -1248,8 +987,8 @@ class World:
             if (
                 st is not None
                 and st.world is self
-                and task not in st.helpers
-                and task is not st.task
+                and task not in st.tasks.helpers
+                and task is not st.tasks.task
                 and task.get_coro() not in self.rank_coros
             ):
                 out.append((st, task))
@@ -1326,5 +1065,11 @@ def rank_var() -> contextvars.ContextVar[RankState | None]:
 
 def install_task_tracking(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     """Track tasks created by ranks on ``loop``; returns the undo."""
-    _install_factory(loop)
-    return lambda: _uninstall_factory(loop)
+    _tasks.install(loop, _current_tasks)
+    return lambda: _tasks.uninstall(loop)
+
+
+def _current_tasks() -> RankTasks | None:
+    """The tasks of the running rank, if one runs now (what the task factory counts a new task for)."""
+    st = _rank_var.get()
+    return st.tasks if st is not None and st.phase is Phase.RUNNING else None

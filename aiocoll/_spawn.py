@@ -361,7 +361,7 @@ async def run_world(
                     # waits for it to take the GIL, which a running rank would hold.
                     w.turns.start(st.rank for st in order)
         for st, r in zip(local, runners, strict=True):
-            st.task = r if isinstance(r, asyncio.Task) else None
+            st.tasks.task = r if isinstance(r, asyncio.Task) else None
             if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
                 r.add_done_callback(st._task_done)
         try:
