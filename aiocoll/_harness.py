@@ -327,18 +327,16 @@ class InProcessWorld:
             self._engine = getattr(comm, "_world", None)
             _here.world, _here.rank = self, comm.rank
             _procstate.bind(comm.rank, _procstate.RankEnviron(environ), _pause)
-            needs = False
             try:
                 rank_main(comm.rank)
             except BaseException as e:
                 if isinstance(e, _procstate.NeedsProcess):
                     self._needs = self._needs or e
-                    needs = True
                 self._raised.append(e)  # (the world keeps each rank's error: RankState.error)
                 raise
             finally:
                 try:
-                    if not needs:  # (a test that goes to processes runs its handlers there)
+                    if self._needs is None:  # (a test that goes to processes runs its handlers there)
                         _procstate.run_exit_handlers()  # the rank's "process" ends
                 finally:
                     _procstate.unbind()
