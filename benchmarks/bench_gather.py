@@ -9,7 +9,7 @@ In a ``gather`` row each rank awaits ``asyncio.gather`` of ``tasks`` tasks that 
 ``ops`` 1-element ``all_reduce``s; in an ``await`` row it awaits ``tasks`` tasks one at a
 time (``await asyncio.create_task(...)``), each of one ``all_reduce``. With the look on
 (the default), a deadlock among them is a ``DeadlockError`` at once; off
-(``aiocoll._engine._GATHER_SCAN = -1``, for this comparison only), it is reported at the
+(``aiocoll._tasks._GATHER_SCAN = -1``, for this comparison only), it is reported at the
 timeout. Both run in the same process, alternating (off, on, off, on, ...); the table
 shows the medians over the repeats and the ratio on/off. Ranks that await their ops
 themselves, one at a time, never look into a gather: ``bench_ceilings.py`` covers them.
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import torch
 
 import aiocoll
-from aiocoll import _engine
+from aiocoll import _tasks
 
-SCAN = _engine._GATHER_SCAN
+SCAN = _tasks._GATHER_SCAN
 
 
 def measure(world: int, wait: str, tasks: int, ops: int, look: bool) -> float:
@@ -47,13 +47,13 @@ def measure(world: int, wait: str, tasks: int, ops: int, look: bool) -> float:
             for _ in range(tasks):
                 await asyncio.create_task(worker())
 
-    _engine._GATHER_SCAN = SCAN if look else -1
+    _tasks._GATHER_SCAN = SCAN if look else -1
     try:
         start = time.perf_counter()
         aiocoll.spawn(fn, world=world, loop="asyncio")
         return (time.perf_counter() - start) / (tasks * ops)
     finally:
-        _engine._GATHER_SCAN = SCAN
+        _tasks._GATHER_SCAN = SCAN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
