@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from _harness import Unavailable, print_report, run_threaded_pg
+from _harness import print_report, run_threaded_pg
 
 import aiocoll
 
@@ -56,12 +56,8 @@ def _sync(device: torch.device) -> None:
 
 def _check(op: str, rank: int, world: int, out: torch.Tensor, numel: int) -> None:
     """The first op's result: all_reduce of (rank + 1) sums to W(W+1)/2; all_gather puts rank i's i at i."""
-    if op == "all_reduce":
-        want = [world * (world + 1) / 2] * 2
-        got = out[[0, -1]].tolist()
-    else:
-        want = [0.0, float(world - 1)]
-        got = out[[0, -1]].tolist()
+    want = [world * (world + 1) / 2] * 2 if op == "all_reduce" else [0.0, float(world - 1)]
+    got = out[[0, -1]].tolist()
     if got != want:
         raise AssertionError(f"{op} on rank {rank} of {world}: got {got} at the ends, expected {want}")
 
@@ -91,14 +87,19 @@ def floor(op: str, world: int, numel: int, iters: int, device: torch.device) -> 
 
     once()
     _check(op, 0, world, outs[0], numel)
-    for t in ins:
-        if op == "all_reduce":
+    if op == "all_reduce":
+        for t in ins:
             t.zero_()
-    once()
+    return _timed(once, iters, device)
+
+
+def _timed(call: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Seconds per ``call()``: one warm-up, then ``iters`` timed, the device's work included."""
+    call()
     _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
-        once()
+        call()
     _sync(device)
     return (time.perf_counter() - start) / iters
 
@@ -112,13 +113,7 @@ def _dist_rank(op: str, rank: int, world: int, numel: int, iters: int, device: t
     _check(op, rank, world, out, numel)
     if op == "all_reduce":
         inp.zero_()
-    call()  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    _sync(device)
-    return (time.perf_counter() - start) / iters
+    return _timed(call, iters, device)
 
 
 def threaded_pg(op: str, world: int, numel: int, iters: int, device: torch.device) -> float:
@@ -230,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         gc.collect()
                         try:
                             times[system].append(MEASURE[system](op, world, numel, iters, device))
-                        except (Unavailable, Exception) as e:
+                        except Exception as e:  # Unavailable, or a system that failed: n/a with why
                             failed[system] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
