@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._c10d import register, settle
 from ._comm import Comm
+from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
 from ._engine_comm import rank_generator
 from ._errors import (
     AiocollError,
@@ -31,7 +32,7 @@ from ._errors import (
 from ._faults import Fault, InjectedFault, OpInfo
 from ._frdump import dump_flight_recorder
 from ._pg import from_process_group
-from ._spawn import DEFAULT_RECORD, DEFAULT_TIMEOUT, SeedFailure, find_failing_seed, spawn, spawn_async
+from ._spawn import SeedFailure, find_failing_seed, spawn, spawn_async
 from ._stats import RankStatistics, Statistics
 from ._work import Work
 

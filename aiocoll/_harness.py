@@ -39,9 +39,11 @@ import torch.distributed as dist
 from . import _c10d, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
+from ._config import WorldConfig
+from ._driver import WorldRun
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
-from ._spawn import DEFAULT_RECORD, echoes_abort, run_world
+from ._outcome import echoes_abort
 from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
@@ -342,7 +344,7 @@ class InProcessWorld:
                     _procstate.unbind()
                     _here.world = None
 
-        await run_world(rank_fn, self.size, timeout=self.collective_timeout, c10d="state", record=DEFAULT_RECORD)
+        await WorldRun(rank_fn, WorldConfig(self.size, timeout=self.collective_timeout, c10d="state")).run()
 
     def _busy(self, wt: WorldThread[Any]) -> dict[int, str]:
         """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""

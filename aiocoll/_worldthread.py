@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
-from ._spawn import LoopChoice, _loop_factory
+from ._config import LoopChoice, loop_factory
 
 __all__ = ["WorldThread"]
 
@@ -102,7 +102,7 @@ class WorldThread(Generic[T]):
             return await self._main()
 
         try:
-            with asyncio.Runner(loop_factory=_loop_factory(self._loop)) as runner:
+            with asyncio.Runner(loop_factory=loop_factory(self._loop)) as runner:
                 self._value = runner.run(main())
         except BaseException as e:  # handed to the caller's thread
             self._error = e

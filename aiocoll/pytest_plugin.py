@@ -59,8 +59,9 @@ from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackN
 
 from . import _watchdog
 from ._comm import Comm
+from ._config import DEFAULT_RECORD, loop_factory
 from ._errors import AiocollError
-from ._spawn import DEFAULT_RECORD, _loop_factory, spawn_async
+from ._spawn import spawn_async
 from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
@@ -470,7 +471,7 @@ class _AsyncWorld:
         )
 
     def _new_loop(self) -> asyncio.AbstractEventLoop:
-        loop = _loop_factory(self._run.loop)()
+        loop = loop_factory(self._run.loop)()
         loop.set_exception_handler(self._on_error)
         return loop
 

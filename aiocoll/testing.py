@@ -84,9 +84,10 @@ import torch
 
 from . import _c10d, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
+from ._config import DEFAULT_TIMEOUT, loop_factory
 from ._engine import EngineWork, Phase, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
-from ._spawn import DEFAULT_TIMEOUT, _failed, _loop_factory, _report, echoes_abort, warn_unmatched
+from ._outcome import Outcome, echoes_abort, warn_unmatched
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
@@ -199,13 +200,12 @@ class _HarnessRun:
         # each rank's init_process_group wraps sys.excepthook and nothing unwraps it: put
         # back when the run ends, as a process's hook goes with it
         self.excepthook = sys.excepthook
-        self.failures: list[tuple[int, BaseException]] = []
         self._ended: set[int] = set()
         made: list[World] = []
         ready = threading.Event()
 
         def main() -> None:
-            loop = _loop_factory("auto")()
+            loop = loop_factory("auto")()
             try:
                 try:
                     world = World(size, loop, timeout)  # on the loop's thread, as World requires
@@ -226,6 +226,7 @@ class _HarnessRun:
         if not made:
             raise RuntimeError("aiocoll: the harness's event loop failed to start")
         self.world = made[0]
+        self.outcome = Outcome(self.world)
 
     def rank_ended(self, st: RankState, exc: BaseException | None) -> None:
         """From any thread: rank ``st`` is done, or failed with ``exc``."""
@@ -238,7 +239,7 @@ class _HarnessRun:
         if exc is None:
             st.phase = Phase.RETURNED
         else:
-            _failed(self.world, st, exc, self.failures)  # a root cause aborts the world
+            self.outcome.failed(st, exc)  # a root cause aborts the world
         st.leave()
 
     def close(self) -> list[EngineWork]:
@@ -355,8 +356,8 @@ def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
     roots = [(rank, info) for rank, info in entries if not echoes_abort(info[1])]
     if not roots:
         roots = entries
-    elif run.failures:
-        first = _report(run.world, run.failures)  # notes: its rank, who was aborted by it
+    elif run.outcome.failures:
+        first = run.outcome.report()  # notes: its rank, who was aborted by it
         roots.sort(key=lambda e: e[1][1] is not first)
     seen: set[tuple[type, str]] = set()
     for rank, info in roots:

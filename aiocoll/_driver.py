@@ -1,0 +1,381 @@
+"""The world driver: one run of a rank function on every rank of a world, start to outcome.
+
+``spawn``, ``spawn_async``, the pytest plugin and the process harness all run their worlds
+through ``WorldRun``; what differs between them is the ``WorldConfig`` they pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import random
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from . import _c10d, _frdump, _torch
+from ._comm import Comm
+from ._config import WorldConfig
+from ._engine import Phase, RankState, World, install_task_tracking, rank_var
+from ._engine_comm import EngineComm
+from ._errors import InvalidArgumentError
+from ._faults import FaultPlan
+from ._locals import RankLocals
+from ._outcome import Outcome, warn_unmatched
+from ._output import prefixed_output
+from ._record import Recorder
+from ._turns import SameCpu, StallWatch, Turns
+
+if TYPE_CHECKING:
+    from ._hybrid import HybridWorld
+
+__all__ = ["WorldRun", "is_async"]
+
+T = TypeVar("T")
+
+
+class WorldRun:
+    """One run of ``fn`` on the ranks of a world made from ``config``, on the running loop.
+
+    ``run`` builds the world, enters every resource it needs on one exit stack (torch.distributed
+    sessions, turns, task tracking, output prefixes, the hybrid bridge), makes every rank
+    live before any runs, waits for them all (cancelled from outside: takes them all down
+    first), releases what the ranks made, then returns their results in rank order or
+    raises the first root cause, as ``Outcome`` reports it.
+
+    >>> import asyncio
+    >>> async def worker(comm):
+    ...     return comm.rank * 10
+    >>> asyncio.run(WorldRun(worker, WorldConfig(3, c10d="off")).run())
+    [0, 10, 20]
+    """
+
+    def __init__(self, fn: Callable[[Comm], Any], config: WorldConfig) -> None:
+        if not callable(fn):
+            raise InvalidArgumentError(f"spawn: argument 'fn' must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.config = config
+        self.is_async = is_async(fn)
+        self.runners: list[asyncio.Future[Any]] = []  # one per local rank, in rank order
+        self._threads: list[threading.Thread] = []
+        self._outcome: Outcome | None = None
+        # made by _build
+        self._sessions: list[_c10d.RankSession | None] = [None] * config.size
+        self._locals: RankLocals | None = None  # sync ranks taking turns: their per-rank state
+        self._cpus: SameCpu | None = None
+        self._hybrid: HybridWorld | None = None
+
+    def __repr__(self) -> str:
+        kind = "async" if self.is_async else "sync"
+        return f"<WorldRun of {getattr(self.fn, '__qualname__', self.fn)!r} ({kind} ranks), {self.config!r}>"
+
+    async def run(self) -> list[Any]:
+        """Run every rank to its end; their results in rank order, or the report of the first failure."""
+        if self._outcome is not None:
+            raise RuntimeError(f"{self!r} has run already: a WorldRun runs once")
+        with contextlib.ExitStack() as stack:
+            w, local, order = self._build(stack)
+            await self._run_ranks(stack, w, local, order)
+        return self._conclude(w)
+
+    # -- building the world and entering its resources ---------------------------------
+
+    def _build(self, stack: contextlib.ExitStack) -> tuple[World, list[RankState], list[RankState]]:
+        """The world, its local ranks and the order they start in; every resource entered on ``stack``."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        plan = FaultPlan(cfg.faults, cfg.size) if cfg.faults else None  # checked before anything starts
+        c10d = cfg.c10d
+        hybrid = None
+        if cfg.process_group is not None:
+            from ._hybrid import HybridWorld  # only hybrid worlds need the process-group machinery
+
+            hybrid = self._hybrid = HybridWorld(cfg.process_group, cfg.size, cfg.timeout)
+            stack.callback(hybrid.close)
+            # torch.distributed inside the ranks would shadow the process's real groups,
+            # which the hybrid world itself talks through
+            c10d = "off"
+        w = World(cfg.size, loop, cfg.timeout, hybrid)
+        self._outcome = Outcome(w)
+        local = [st for st in w.ranks if hybrid is None or st.rank in hybrid.local]
+        for st in w.ranks:
+            if hybrid is not None and st.rank not in hybrid.local:
+                st.phase = Phase.REMOTE
+        if cfg.record or cfg.trace is not None:
+            w.recorder = Recorder(cfg.size, None if cfg.trace is not None else cfg.record)
+            for st, ring in zip(w.ranks, w.recorder.ranks, strict=True):
+                st.record = ring  # the engine appends straight to it
+            if cfg.trace is not None:
+                stack.callback(w.recorder.write_trace, cfg.trace)  # even when the run fails
+        w.faults = plan
+        order = list(local)
+        if cfg.schedule_seed is not None:
+            w.rng = random.Random(cfg.schedule_seed)
+            w.rng.shuffle(order)  # which rank starts first, too
+        # the groups, stores and meshes the ranks made die at the end, in this thread
+        # (_belongings), but for those the ranks' results keep alive
+        stack.callback(_c10d.release, w, self.runners)
+        if cfg.sync_ranks == "turns" and hybrid is None and not self.is_async:
+            # (a hybrid world's bridge runs on the loop: its sync ranks run in parallel)
+            self._locals = stack.enter_context(contextlib.closing(RankLocals(cfg.size)))
+            self._cpus = SameCpu.detect(cfg.size)
+            w.take_turns(Turns(cfg.size, w.rng, self._locals.switch, self._cpus))
+        if c10d != "off":
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            self._sessions = [_c10d.RankSession(st, store, init=c10d == "init") for st in w.ranks]
+            _torch.prepare_for_rank_threads()  # before install(): a failure here leaves nothing to undo
+            _c10d.install()
+            stack.callback(self._end_sessions)
+        stack.callback(install_task_tracking(loop))
+        if cfg.prefix_output:
+            stack.enter_context(prefixed_output())
+        return w, local, order
+
+    def _end_sessions(self) -> None:
+        for session in self._sessions:
+            assert session is not None
+            session.finish()
+        _c10d.uninstall()
+
+    # -- running the ranks ----------------------------------------------------------------
+
+    async def _run_ranks(
+        self, stack: contextlib.ExitStack, w: World, local: list[RankState], order: list[RankState]
+    ) -> None:
+        # Every rank is live before the first one runs, not from its first step: a rank
+        # whose task or thread has not started yet is not absent, and a rank blocked early
+        # would look deadlocked (a task factory may run a task's first step at once,
+        # asyncio.eager_task_factory; a rank thread taking turns runs at once too).
+        for st in local:
+            st.enter()
+        if self.is_async:
+            self.runners.extend(self._start_tasks(w, local, order))
+        else:
+            if w.turns is not None:
+                watch = StallWatch(w.turns, w.loop)
+                watch.start()
+                stack.callback(watch.stop)
+            self.runners.extend(self._start_threads(w, local, order))
+        for st, r in zip(local, self.runners, strict=True):
+            st.tasks.task = r if isinstance(r, asyncio.Task) else None
+            if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
+                r.add_done_callback(st._task_done)
+        try:
+            await asyncio.wait(self.runners)
+            # tasks a rank created and left running would outlive the world
+            leftover = w.cancel_tasks("aiocoll: the world this task belongs to has ended")
+            if leftover:
+                await asyncio.wait(leftover)
+        except asyncio.CancelledError:
+            await self._take_down(w)
+            raise
+        for t in self._threads:
+            t.join()  # each has posted its result as its last act: this is immediate
+        if self._hybrid is not None:
+            await self._hybrid.say_goodbye(min(self.config.timeout or 5.0, 5.0))
+
+    async def _take_down(self, w: World) -> None:
+        """Cancelled from outside (KeyboardInterrupt, a cancel scope): take every rank down
+        and wait for them, so nothing outlives the run.
+
+        Threads cannot be cancelled: the abort fails their next collective, and we wait
+        for them to return.
+        """
+        w.locked(w.abort, None, asyncio.CancelledError("spawn was cancelled"))
+        pending = [*self.runners, *w.cancel_tasks("spawn was cancelled")]
+        while pending:
+            # An anyio cancel scope cancels us again on every loop turn: keep waiting,
+            # or we would return while ranks still run. (A second ^C still lands:
+            # KeyboardInterrupt is not a CancelledError.)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(pending)
+            pending = [r for r in pending if not r.done()] + w.cancel_tasks("spawn was cancelled")
+        self._retrieve()
+
+    def _start_tasks(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[Any]]:
+        fn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], self.fn)
+        coros = {st.rank: self._task_main(w, st, fn) for st in order}
+        w.rank_coros = set(coros.values())
+        by_rank = {st.rank: w.loop.create_task(coros[st.rank], name=f"aiocoll rank {st.rank}") for st in order}
+        return [by_rank[st.rank] for st in local]
+
+    async def _task_main(self, w: World, st: RankState, fn: Callable[[Comm], Coroutine[Any, Any, T]]) -> T:
+        rank_var().set(st)  # this task's context only; tasks it creates inherit it
+        session = self._sessions[st.rank]
+        try:
+            if session is not None:
+                session.start()
+            result = await fn(EngineComm(w, w.group, st.rank))
+        except BaseException as e:
+            self._failed(st, e)
+            raise
+        st.phase = Phase.RETURNED
+        return result
+
+    def _start_threads(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[Any]]:
+        try:
+            with self._cpus.starting() if self._cpus is not None else contextlib.nullcontext():
+                endings = None if w.turns is None else _Endings(w, len(local))
+                return [self._start_thread(w, st, endings) for st in local]
+        finally:
+            if w.turns is not None:
+                # The first rank runs once every thread is started: starting a thread
+                # waits for it to take the GIL, which a running rank would hold.
+                w.turns.start(st.rank for st in order)
+
+    def _start_thread(self, w: World, st: RankState, endings: _Endings | None) -> asyncio.Future[Any]:
+        """Run a sync rank in its own thread; the returned future completes when it ends
+        (ranks taking turns: when they all have)."""
+        fut: asyncio.Future[Any] = w.loop.create_future()
+        turns, rank_locals, fn = w.turns, self._locals, self.fn
+        session = self._sessions[st.rank]
+
+        def settle(ok: bool, value: Any) -> None:
+            if ok:
+                st.phase = Phase.RETURNED
+            else:
+                self._failed(st, value)
+
+        def done(ok: bool, value: Any) -> None:
+            if turns is None:
+                settle(ok, value)
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+        def main() -> None:
+            rank_var().set(st)
+            ok, value = False, cast(Any, None)
+            # as torch's threaded process group does: autograd must not hand work to its
+            # own device threads from a rank thread (a setting of this thread: not undone, it ends)
+            torch.autograd.set_multithreading_enabled(False)
+            try:
+                if turns is not None:  # (a failure here is the rank's: it still ends its turn below)
+                    assert rank_locals is not None
+                    rank_locals.bind(st.rank)
+                    turns.begin(st.rank)
+                if session is not None:
+                    session.start()
+                try:
+                    ok, value = True, fn(EngineComm(w, w.group, st.rank, threaded=True))
+                    if inspect.iscoroutine(value):
+                        # e.g. spawn(lambda comm: worker(comm, x)): a plain function that made a
+                        # coroutine, which nobody would await (and whose result would be lost)
+                        value.close()
+                        raise InvalidArgumentError(
+                            f"spawn: {getattr(fn, '__qualname__', fn)!r} is a plain function but returned a "
+                            f"coroutine on rank {st.rank}; "
+                            "pass an async def (or functools.partial of one) to run async ranks"
+                        )
+                finally:
+                    if session is not None:
+                        session.finish()
+                    # now, in its turn, not as the thread exits (where two exiting rank threads can deadlock in torch)
+                    _torch.drop_thread_caches()
+            except BaseException as e:
+                ok, value = False, e
+            if turns is not None:
+                # settled now, in turn order: a failure aborts the world before another rank runs
+                assert w.lock is not None
+                try:
+                    with w.lock:
+                        settle(ok, value)
+                        st.leave()
+                finally:  # whatever happens, the others must not wait for this rank's turn
+                    if rank_locals is not None:
+                        rank_locals.unbind(st.rank)
+                    turns.end(st.rank)
+            # the thread's last act
+            if endings is not None:
+                endings.ended(done, ok, value)
+            else:
+                w.call_soon_threadsafe(done, ok, value)
+
+        # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
+        thread = threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return fut
+
+    def _failed(self, st: RankState, e: BaseException) -> None:
+        assert self._outcome is not None
+        self._outcome.failed(st, e)
+
+    # -- the outcome ----------------------------------------------------------------------
+
+    def _retrieve(self) -> None:
+        """Mark the ranks' exceptions retrieved: the run reports them, once, its own way."""
+        for r in self.runners:
+            if r.done() and not r.cancelled():
+                r.exception()
+
+    def _conclude(self, w: World) -> list[Any]:
+        """The ranks' results, or the report of the first failure (warnings as the caller's)."""
+        assert self._outcome is not None
+        self._retrieve()
+        detached = [] if w.turns is None else w.turns.detached
+        if self._outcome.failures:
+            exc = self._outcome.report()
+            for line in detached:
+                exc.add_note(f"aiocoll: {line}")
+            if w.untracked is not None:
+                exc.add_note(
+                    f"aiocoll: the loop's task factory was replaced while the ranks ran (by {w.untracked}),"
+                    " and Python 3.11 cannot read a task's context to tell whose tasks it made: deadlocks"
+                    " were left to the timeout. Set the factory before spawn_async, or use Python 3.12+"
+                )
+            dumped = _frdump.on_failure(lambda prefix: _frdump.dump_world(w, prefix))
+            if dumped is not None:
+                exc.add_note(dumped)
+            raise exc
+        if detached:
+            warnings.warn(
+                "aiocoll: sync ranks take turns, and a rank waited for another outside torch.distributed:\n"
+                + "\n".join(f"  {line}" for line in detached)
+                + "\nUse spawn(..., sync_ranks='parallel') for code whose ranks wait for each other this way.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        warn_unmatched(w.pending_works(), "the world", stacklevel=3)
+        return [r.result() for r in self.runners]
+
+
+class _Endings:
+    """The ends of a world's rank threads taking turns, told to the loop at once when the last one ends.
+
+    Their outcomes are settled in their own threads, in turn order; the loop only needs
+    them to return. A wake-up of the loop per rank would make the loop thread take the
+    GIL while the next rank runs, W times (10-15 us each here).
+    """
+
+    __slots__ = ("_left", "_lock", "_outcomes", "_world")
+
+    def __init__(self, w: World, count: int) -> None:
+        self._world = w
+        self._lock = threading.Lock()
+        self._left = count
+        self._outcomes: list[tuple[Callable[[bool, Any], None], bool, Any]] = []
+
+    def ended(self, done: Callable[[bool, Any], None], ok: bool, value: Any) -> None:
+        """In a rank thread, as its last act: ``done(ok, value)`` is to run on the loop."""
+        with self._lock:
+            self._outcomes.append((done, ok, value))
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._world.call_soon_threadsafe(self._tell)
+
+    def _tell(self) -> None:
+        for done, ok, value in self._outcomes:
+            done(ok, value)
+
+
+def is_async(fn: object) -> bool:
+    """Whether ``fn`` runs async ranks: a coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
