@@ -263,10 +263,10 @@ class Issuer:
         """Issue the checked ops at the head of the line, in call order; fail those whose check failed."""
         while self._gated:
             gate, queued = self._gated[0]
-            if gate is not None and not gate.done():
-                return
+            if gate is not None and not gate.done() and self.aborted is None:
+                return  # (aborted: its check can no longer matter, and may never end)
             self._gated.popleft()
-            exc = gate.exception() if gate is not None else None
+            exc = gate.exception() if gate is not None and gate.done() and not gate.cancelled() else None
             if exc is not None:
                 self._finish(queued.fut, queued.call, None, exc)
             elif self.aborted is not None:
