@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import _c10d, _frdump, _torch
 from ._comm import Comm
 from ._config import WorldConfig
-from ._engine import Phase, RankState, World, install_task_tracking, rank_var
+from ._engine import RankState, World, install_task_tracking, rank_var
 from ._engine_comm import EngineComm
 from ._errors import InvalidArgumentError
 from ._faults import FaultPlan
@@ -29,6 +29,7 @@ from ._locals import RankLocals
 from ._outcome import Outcome, warn_unmatched
 from ._output import prefixed_output
 from ._record import Recorder
+from ._stats import Phase
 from ._turns import SameCpu, StallWatch, Turns
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class WorldRun:
         try:
             await asyncio.wait(self.runners)
             # tasks a rank created and left running would outlive the world
-            leftover = w.cancel_tasks("aiocoll: the world this task belongs to has ended")
+            leftover = w.tasks.cancel("aiocoll: the world this task belongs to has ended")
             if leftover:
                 await asyncio.wait(leftover)
         except asyncio.CancelledError:
@@ -187,20 +188,20 @@ class WorldRun:
         for them to return.
         """
         w.locked(w.abort, None, asyncio.CancelledError("spawn was cancelled"))
-        pending = [*self.runners, *w.cancel_tasks("spawn was cancelled")]
+        pending = [*self.runners, *w.tasks.cancel("spawn was cancelled")]
         while pending:
             # An anyio cancel scope cancels us again on every loop turn: keep waiting,
             # or we would return while ranks still run. (A second ^C still lands:
             # KeyboardInterrupt is not a CancelledError.)
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(pending)
-            pending = [r for r in pending if not r.done()] + w.cancel_tasks("spawn was cancelled")
+            pending = [r for r in pending if not r.done()] + w.tasks.cancel("spawn was cancelled")
         self._retrieve()
 
     def _start_tasks(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[Any]]:
         fn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], self.fn)
         coros = {st.rank: self._task_main(w, st, fn) for st in order}
-        w.rank_coros = set(coros.values())
+        w.tasks.rank_coros = set(coros.values())
         by_rank = {st.rank: w.loop.create_task(coros[st.rank], name=f"aiocoll rank {st.rank}") for st in order}
         return [by_rank[st.rank] for st in local]
 
@@ -324,9 +325,9 @@ class WorldRun:
             exc = self._outcome.report()
             for line in detached:
                 exc.add_note(f"aiocoll: {line}")
-            if w.untracked is not None:
+            if w.tasks.untracked is not None:
                 exc.add_note(
-                    f"aiocoll: the loop's task factory was replaced while the ranks ran (by {w.untracked}),"
+                    f"aiocoll: the loop's task factory was replaced while the ranks ran (by {w.tasks.untracked}),"
                     " and Python 3.11 cannot read a task's context to tell whose tasks it made: deadlocks"
                     " were left to the timeout. Set the factory before spawn_async, or use Python 3.12+"
                 )

@@ -32,14 +32,13 @@ import _thread
 import asyncio
 import contextlib
 import contextvars
-import enum
 import itertools
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,36 +58,15 @@ from ._ops import Recv, Send
 from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
 from ._runner import OpRunner
-from ._stats import RankStatistics, StateName, Statistics
-from ._tasks import CONTEXTS, RankTasks, task_factory
+from ._stats import Phase, RankStatistics, StateName, Statistics
+from ._tasks import RANK, RankTasks, WorldTasks
 from ._turns import TurnEvent, Turns
 from ._work import Site, Work, fmt_site
 
-__all__ = ["Bridge", "EngineWork", "Group", "Hybrid", "RankState", "World", "current_rank_state"]
+if TYPE_CHECKING:
+    from ._hybrid import HybridWorld, PGBridge
 
-
-class Bridge(Protocol):
-    """Completes a group's collectives with members in other processes (hybrid worlds)."""
-
-    def run(self, rdv: Rendezvous) -> asyncio.Future[list[Any]]:
-        """Results for every group-rank of ``rdv`` (local members' calls are in it)."""
-        ...
-
-    def p2p(self, work: EngineWork) -> asyncio.Future[Any] | None:
-        """Carry out a send or recv whose peer is in another process; None if the peer is here."""
-        ...
-
-
-class Hybrid(Protocol):
-    """Which ranks of a world run in this process, and a bridge for groups that span processes."""
-
-    def attach(self, group: Group) -> None:
-        """Set ``group.expected`` (local members) and ``group.bridge`` for a new group."""
-        ...
-
-    def aborted(self, message: str, cause: BaseException) -> None:
-        """This process's share of the world was aborted."""
-        ...
+__all__ = ["EngineWork", "Group", "RankState", "World", "current_rank_state"]
 
 
 # seconds a rank thread waits before it reports itself blocked (for deadlock detection)
@@ -99,21 +77,6 @@ _CANCEL_AFTER_TURNS = 4
 
 _world_ids = itertools.count()
 _now = time.perf_counter
-
-
-class Phase(enum.Enum):
-    RUNNING = "running"
-    RETURNED = "returned"
-    FAILED = "failed"
-    REMOTE = "in another process"  # a rank of a hybrid world that another process runs
-
-
-_STATE_NAMES: dict[Phase, StateName] = {
-    Phase.RUNNING: "running",
-    Phase.RETURNED: "returned",
-    Phase.FAILED: "failed",
-    Phase.REMOTE: "remote",
-}
 
 
 class _Latch:
@@ -152,7 +115,7 @@ class _Latch:
 
 _P2P = (Send, Recv)  # for isinstance: a tuple, as ``Send | Recv`` builds a union object per call
 
-_rank_var: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
+_rank_var = RANK  # (see aiocoll._tasks)
 
 
 def current_rank_state() -> RankState | None:
@@ -285,7 +248,7 @@ class RankState:
 
     def snapshot(self) -> RankStatistics:
         """What this rank is doing now, frozen (for monitors and reports)."""
-        state: StateName = "blocked" if self.phase is Phase.RUNNING and self.blocked else _STATE_NAMES[self.phase]
+        state: StateName = "blocked" if self.phase is Phase.RUNNING and self.blocked else self.phase.state
         return RankStatistics(
             self.rank,
             state,
@@ -587,7 +550,7 @@ class Group:
         # arrivals that complete a rendezvous here: every member, unless other processes
         # run some of them (a hybrid world), whose calls the bridge then fetches
         self.expected = self.size
-        self.bridge: Bridge | None = None
+        self.bridge: PGBridge | None = None
         if world.hybrid is not None:
             world.hybrid.attach(self)
         self.next_seq = [0] * self.size
@@ -617,7 +580,7 @@ class World:
     """The shared state of all ranks of one ``spawn``."""
 
     def __init__(
-        self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None, hybrid: Hybrid | None = None
+        self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None, hybrid: HybridWorld | None = None
     ) -> None:
         self.size = size
         self.loop = loop
@@ -627,7 +590,7 @@ class World:
         # live and blocked ranks, deadlock detection; before the ranks, which report to it
         self.liveness: Liveness = Liveness(self)
         self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
-        self.hybrid: Hybrid | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
+        self.hybrid: HybridWorld | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
         # sync ranks taking turns run the engine in their threads, under this lock
@@ -639,12 +602,8 @@ class World:
         self.recorder: Recorder | None = None  # the flight recorder, when on
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
-        # the coroutines of its ranks' own tasks (none: its ranks are threads, which make no
-        # tasks); a rank's own task is no helper of it
-        self.rank_coros: set[Any] = set()
-        # the task factory that replaced the engine's while the ranks ran, when the tasks
-        # made since cannot be found (see count_all_tasks)
-        self.untracked: str | None = None
+        # its ranks' asyncio tasks, found, counted and cancelled (see aiocoll._tasks)
+        self.tasks = WorldTasks(self)
         # rendezvous whose calls disagree: reported once every rank has shown its call, or
         # once the ranks missing are stuck elsewhere (explain_stall)
         self._mismatched: list[Rendezvous] = []
@@ -914,21 +873,7 @@ class World:
             # callbacks later (helper task -> gather's callback -> the awaiting task).
             self.loop.call_soon(self._cancel_running, msg, turns - 1)
             return
-        self.cancel_tasks(msg)
-
-    def cancel_tasks(self, msg: str) -> list[asyncio.Future[Any]]:
-        """Cancel every task of every rank still running; return them to be awaited."""
-        out: list[asyncio.Future[Any]] = []
-        for st in self.ranks:
-            for t in [st.tasks.task, *st.tasks.helpers]:
-                if t is not None and not t.done():
-                    t.cancel(msg)
-                    out.append(t)
-        if CONTEXTS and self.rank_coros and threading.get_ident() == self.loop_thread:
-            for _, task in self._tasks_of_ranks():  # (made through a factory a rank set)
-                task.cancel(msg)
-                out.append(task)
-        return out
+        self.tasks.cancel(msg)
 
     def _cancelled(self, work: EngineWork) -> None:
         """A rank stopped waiting for ``work`` (cancelled): its collective cannot complete."""
@@ -940,59 +885,6 @@ class World:
         )
         err.__cause__ = asyncio.CancelledError()
         self.abort(work._rank.rank, err)
-
-    def count_all_tasks(self) -> bool:
-        """Make sure every task of the ranks is counted; false if that cannot be known.
-
-        The engine counts the tasks a rank makes through the loop's task factory (see
-        ``aiocoll._tasks``). A rank may set another one while it runs, as in
-        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``, and may
-        put the old one back: the tasks made through it are found here by the rank in
-        their context, and counted from now on. Python 3.11 cannot read a task's
-        context: a world whose factory is another one here leaves its deadlocks to the
-        timeout. Runs only when every rank looks blocked.
-        """
-        if not self.rank_coros or threading.get_ident() != self.loop_thread:
-            return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
-        found: list[tuple[RankState, asyncio.Task[Any]]] = []
-        if CONTEXTS:
-            # (a rank that returned may have tasks left, which still act for it)
-            found = [(st, t) for st, t in self._tasks_of_ranks() if st.phase in (Phase.RUNNING, Phase.RETURNED)]
-        elif self.untracked is None and (factory := self.loop.get_task_factory()) is not task_factory:
-            self.untracked = repr(factory)
-        if self.untracked is not None:
-            return False
-        for st, task in found:
-            st.live += 1
-            st.tasks.helpers.add(task)
-            task.add_done_callback(st.tasks.helper_done)
-        # Tasks out of sight that parked leave the world's totals off: count them again.
-        lv = self.liveness
-        lv.live = sum(st.live > 0 for st in self.ranks)
-        lv.blocked = sum(st.blocked for st in self.ranks)
-        for st in {st for st, _ in found}:
-            st.tasks.look_for_gatherers()  # a task that awaits the ones found may wait for nothing else
-            st.tasks.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
-        return True
-
-    def _tasks_of_ranks(self) -> list[tuple[RankState, asyncio.Task[Any]]]:
-        """The tasks made for this world's ranks out of the engine's sight, each with its rank (Python 3.12+).
-
-        Found by the rank in their context: a task's context is a copy of its maker's.
-        """
-        out = []
-        for task in asyncio.all_tasks(self.loop):
-            get_context = getattr(task, "get_context", None)  # (a task class of some other library may lack it)
-            st = get_context().get(_rank_var) if get_context is not None else None
-            if (
-                st is not None
-                and st.world is self
-                and task not in st.tasks.helpers
-                and task is not st.tasks.task
-                and task.get_coro() not in self.rank_coros
-            ):
-                out.append((st, task))
-        return out
 
     def explain_stall(self) -> bool:
         """Every live rank waits: report the mismatched collective behind it, if any (true if so).

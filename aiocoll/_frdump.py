@@ -292,7 +292,8 @@ def write(prefix: str, dumps: Mapping[int, dict[str, Any]]) -> list[str]:
 
 def dump_world(world: Any, prefix: str | os.PathLike[str] | None = None) -> list[str]:
     """Write the dumps of the world's ranks that run in this process (all but a hybrid world's others)."""
-    from ._engine import Phase, World
+    from ._engine import World
+    from ._stats import Phase
 
     w: World = world
     rec = w.recorder

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from ._errors import DeadlockError
 from ._ops import Recv, Send
+from ._tasks import WorldTasks
 
 __all__ = ["Liveness"]
 
@@ -76,8 +77,9 @@ class _Engine(Protocol):
         """Every live rank waits: fail what explains it better than a deadlock (a mismatch); true if it did."""
         ...
 
-    def count_all_tasks(self) -> bool:
-        """Make sure every task of the ranks is counted (the counts may grow); false if that cannot be known."""
+    @property
+    def tasks(self) -> WorldTasks:
+        """Its ranks' tasks: ``count_all()`` makes sure each is counted (the counts may grow), false if it cannot."""
         ...
 
 
@@ -111,7 +113,7 @@ class Liveness:
             return
         # Tasks made out of the engine's sight may be running: count them (which may
         # report the deadlock from within), or leave it to the timeout if they cannot be.
-        if not world.count_all_tasks() or self.blocked != self.live or world.aborted is not None:
+        if not world.tasks.count_all() or self.blocked != self.live or world.aborted is not None:
             return
         message = "deadlock: every live rank waits for a peer that will never arrive\n" + self.table()
         first: DeadlockError | None = None

@@ -10,8 +10,8 @@ import asyncio
 import warnings
 from typing import TYPE_CHECKING
 
-from ._engine import Phase
 from ._errors import WorldAbortedError
+from ._stats import Phase
 
 if TYPE_CHECKING:
     from ._engine import EngineWork, RankState, World

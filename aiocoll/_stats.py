@@ -8,14 +8,37 @@ in-process engine a snapshot sees every rank; over a real process group
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["RankStatistics", "StateName", "Statistics"]
+__all__ = ["Phase", "RankStatistics", "StateName", "Statistics"]
 
 StateName = Literal["running", "blocked", "returned", "failed", "remote"]
 """What a rank is doing: see ``RankStatistics.state``."""
+
+
+class Phase(enum.Enum):
+    """Where a rank is in its life, as the engine keeps it (``state`` names it in statistics)."""
+
+    RUNNING = "running"
+    RETURNED = "returned"
+    FAILED = "failed"
+    REMOTE = "in another process"  # a rank of a hybrid world that another process runs
+
+    @property
+    def state(self) -> StateName:
+        """Its name in ``RankStatistics.state`` (a running rank may show as ``"blocked"`` there)."""
+        return _STATES[self]
+
+
+_STATES: dict[Phase, StateName] = {
+    Phase.RUNNING: "running",
+    Phase.RETURNED: "returned",
+    Phase.FAILED: "failed",
+    Phase.REMOTE: "remote",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,22 @@ this one (``left``), and a later world then calls it, which calls this one back
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["CONTEXTS", "Counts", "RankTasks", "install", "task_factory", "uninstall"]
+from ._stats import Phase
+
+if TYPE_CHECKING:
+    from ._engine import RankState, World
+
+__all__ = ["CONTEXTS", "RANK", "Counts", "RankTasks", "WorldTasks", "install", "task_factory", "uninstall"]
+
+RANK: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
+"""The rank a task or thread acts for: set by its rank's own task or thread, inherited by the tasks it creates."""
 
 
 class Counts(Protocol):
@@ -310,3 +320,92 @@ def uninstall(loop: asyncio.AbstractEventLoop) -> None:
     else:
         loop.set_task_factory(f.prev)
         del _installed[loop]
+
+
+class WorldTasks:
+    """The asyncio tasks of one world's ranks, beyond those the factory counted: found, counted, cancelled.
+
+    Async ranks only, on the loop's thread (sync ranks are threads, which make no tasks).
+    """
+
+    __slots__ = ("_world", "rank_coros", "untracked")
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        # the coroutines of its ranks' own tasks (none: its ranks are threads, which make no
+        # tasks); a rank's own task is no helper of it
+        self.rank_coros: set[Any] = set()
+        # the task factory that replaced the engine's while the ranks ran, when the tasks
+        # made since cannot be found (see count_all)
+        self.untracked: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<WorldTasks of world {self._world.id}: {len(self.rank_coros)} rank task(s)>"
+
+    def cancel(self, msg: str) -> list[asyncio.Future[Any]]:
+        """Cancel every task of every rank still running; return them to be awaited."""
+        out: list[asyncio.Future[Any]] = []
+        for st in self._world.ranks:
+            for t in [st.tasks.task, *st.tasks.helpers]:
+                if t is not None and not t.done():
+                    t.cancel(msg)
+                    out.append(t)
+        if CONTEXTS and self.rank_coros and threading.get_ident() == self._world.loop_thread:
+            for _, task in self._found():  # (made through a factory a rank set)
+                task.cancel(msg)
+                out.append(task)
+        return out
+
+    def count_all(self) -> bool:
+        """Make sure every task of the ranks is counted; false if that cannot be known.
+
+        The engine counts the tasks a rank makes through the loop's task factory (see
+        ``aiocoll._tasks``). A rank may set another one while it runs, as in
+        ``loop.set_task_factory(asyncio.eager_task_factory)`` inside ``spawn``, and may
+        put the old one back: the tasks made through it are found here by the rank in
+        their context, and counted from now on. Python 3.11 cannot read a task's
+        context: a world whose factory is another one here leaves its deadlocks to the
+        timeout. Runs only when every rank looks blocked.
+        """
+        w = self._world
+        if not self.rank_coros or threading.get_ident() != w.loop_thread:
+            return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
+        found: list[tuple[RankState, asyncio.Task[Any]]] = []
+        if CONTEXTS:
+            # (a rank that returned may have tasks left, which still act for it)
+            found = [(st, t) for st, t in self._found() if st.phase in (Phase.RUNNING, Phase.RETURNED)]
+        elif self.untracked is None and (factory := w.loop.get_task_factory()) is not task_factory:
+            self.untracked = repr(factory)
+        if self.untracked is not None:
+            return False
+        for st, task in found:
+            st.live += 1
+            st.tasks.helpers.add(task)
+            task.add_done_callback(st.tasks.helper_done)
+        # Tasks out of sight that parked leave the world's totals off: count them again.
+        lv = w.liveness
+        lv.live = sum(st.live > 0 for st in w.ranks)
+        lv.blocked = sum(st.blocked for st in w.ranks)
+        for st in {st for st, _ in found}:
+            st.tasks.look_for_gatherers()  # a task that awaits the ones found may wait for nothing else
+            st.tasks.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
+        return True
+
+    def _found(self) -> list[tuple[RankState, asyncio.Task[Any]]]:
+        """The tasks made for this world's ranks out of the engine's sight, each with its rank (Python 3.12+).
+
+        Found by the rank in their context: a task's context is a copy of its maker's.
+        """
+        out = []
+        for task in asyncio.all_tasks(self._world.loop):
+            get_context = getattr(task, "get_context", None)  # (a task class of some other library may lack it)
+            st = get_context().get(RANK) if get_context is not None else None
+            if (
+                st is not None
+                and st.world is self._world
+                and task not in st.tasks.helpers
+                and task is not st.tasks.task
+                and task.get_coro() not in self.rank_coros
+            ):
+                out.append((st, task))
+        return out

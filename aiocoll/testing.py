@@ -85,9 +85,10 @@ import torch
 from . import _c10d, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, loop_factory
-from ._engine import EngineWork, Phase, RankState, World, current_rank_state, rank_var
+from ._engine import EngineWork, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._outcome import Outcome, echoes_abort, warn_unmatched
+from ._stats import Phase
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
