@@ -27,11 +27,14 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from ._device import tensors_of
+
+if TYPE_CHECKING:
+    from ._ops import Call
 
 __all__ = ["POLL_CAP", "POLL_FIRST", "Issue", "issue", "run_cuda", "stream_wait", "watch"]
 
@@ -117,7 +120,7 @@ class Issue:
     """The op's completion event, once the op is enqueued."""
 
 
-def issue(call: Any) -> Issue | None:
+def issue(call: Call) -> Issue | None:
     """Mark where ``call``'s CUDA inputs are ready: call at issue time, in the caller's thread.
 
     Returns None for a call without CUDA tensors (current streams are per thread, so this
@@ -270,7 +273,7 @@ def _run_staged(
     return results, host
 
 
-def _with_tensors(call: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _with_tensors(call: Call, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """A shallow copy of ``call`` with ``fn`` applied to each of its tensors."""
     new = copy.copy(call)
     for f in dataclasses.fields(new):

@@ -22,9 +22,12 @@ import enum
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ._ops import Call
 
 __all__ = ["INLINE_BYTES", "Placement", "placement", "run_in_worker", "tensors_of"]
 
@@ -54,7 +57,7 @@ def placement(calls: Sequence[Any], inline_bytes: int = INLINE_BYTES) -> Placeme
     return Placement.THREAD if nbytes * len(calls) > inline_bytes else Placement.INLINE
 
 
-def tensors_of(call: Any) -> list[torch.Tensor]:
+def tensors_of(call: Call) -> list[torch.Tensor]:
     """Every tensor a call holds, in field order (lists of tensors flattened)."""
     out: list[torch.Tensor] = []
     for f in dataclasses.fields(call):

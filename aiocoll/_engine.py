@@ -54,7 +54,7 @@ from ._errors import (
 from ._faults import Fault, FaultPlan, OpInfo
 from ._inject import FaultInjector
 from ._liveness import Liveness
-from ._ops import Recv, Send
+from ._ops import Call, Recv, Send
 from ._p2p import P2PMatcher
 from ._record import Recorder, Stamp
 from ._runner import OpRunner
@@ -295,7 +295,7 @@ class EngineWork(Work):
         "_tfuts",
     )
 
-    def __init__(self, group: Group, grank: int, call: Any, site: Site | None, threaded: bool = False) -> None:
+    def __init__(self, group: Group, grank: int, call: Call, site: Site | None, threaded: bool = False) -> None:
         world = group.world
         # Work.__init__'s three fields, set here: a call to it would cost 0.1 us per rank
         # per op, 3% of a 64-rank all_reduce (tests/test_api.py checks none is missed)

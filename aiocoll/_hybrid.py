@@ -367,6 +367,7 @@ class PGBridge:
 
     def p2p(self, work: EngineWork) -> asyncio.Future[Any] | None:
         call, g = work._call, self.group
+        assert isinstance(call, (ops.Send, ops.Recv))  # (the engine bridges only p2p works here)
         peer = call.dst if isinstance(call, ops.Send) else call.src
         assert peer is not None  # Comm refuses any-source receives in groups that span processes
         hy = self.hybrid

@@ -333,9 +333,10 @@ def _fmt_list(ts: Sequence[torch.Tensor] | None) -> str:
 
 
 class Call(Protocol):
-    """One rank's arguments to one collective."""
+    """One rank's arguments to one collective (every op class is a dataclass)."""
 
     name: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def signature(self) -> Hashable:
         """What every rank of the collective must agree on."""

@@ -50,7 +50,7 @@ class PGWork(Work):
 
     __slots__ = ("_grank", "_group_name")
 
-    def __init__(self, fut: asyncio.Future[Any], call: Any, rank: int, group: str, site: Site | None) -> None:
+    def __init__(self, fut: asyncio.Future[Any], call: ops.Call, rank: int, group: str, site: Site | None) -> None:
         super().__init__(fut, call, site)
         self._grank = rank
         self._group_name = group

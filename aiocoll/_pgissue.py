@@ -118,7 +118,7 @@ class _Queued:
     """An op issued by its rank and not yet sent to the group: waiting for its check, or its turn."""
 
     plan: _Plan
-    call: Any
+    call: ops.Call
     fut: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
@@ -209,7 +209,7 @@ class Issuer:
     # -- the order in which ops reach the group ---------------------------------------------
 
     def issue(
-        self, call: Any, loop: asyncio.AbstractEventLoop | None = None, site: Site | None = None
+        self, call: ops.Call, loop: asyncio.AbstractEventLoop | None = None, site: Site | None = None
     ) -> asyncio.Future[Any]:
         """Issue ``call`` now (or after the multi-step op in flight); see the class docstring.
 
@@ -280,7 +280,7 @@ class Issuer:
             self.aborted = reason
         self._release()
 
-    def _aborted_error(self, call: Any) -> WorldAbortedError:
+    def _aborted_error(self, call: ops.Call) -> WorldAbortedError:
         reason = self.aborted
         first = (str(reason).splitlines() or [type(reason).__name__])[0]
         err = WorldAbortedError(
@@ -311,7 +311,7 @@ class Issuer:
         # a barrier's wait() would synchronise the current stream: it has nothing to order
         when_done(work, loop, done, on_device=self.device.type != "cpu", wait=not isinstance(call, ops.Barrier))
 
-    async def _run_steps(self, steps: _Steps, call: Any, fut: asyncio.Future[Any]) -> None:
+    async def _run_steps(self, steps: _Steps, call: ops.Call, fut: asyncio.Future[Any]) -> None:
         try:
             result = await steps.run()
         except BaseException as e:
@@ -324,7 +324,7 @@ class Issuer:
                 self._launch(self._queue.popleft())
 
     def _finish(
-        self, fut: asyncio.Future[Any], call: Any, post: Callable[[], Any] | None, exc: BaseException | None
+        self, fut: asyncio.Future[Any], call: ops.Call, post: Callable[[], Any] | None, exc: BaseException | None
     ) -> None:
         result = None
         if exc is None and post is not None:
@@ -371,7 +371,13 @@ class Issuer:
         fut.exception()  # retrieved: an unawaited failed op is not logged at exit
 
     async def _name_gone(
-        self, chk: Checker, fut: asyncio.Future[Any], call: Any, stamp: Stamp, exc: BaseException, err: BaseException
+        self,
+        chk: Checker,
+        fut: asyncio.Future[Any],
+        call: ops.Call,
+        stamp: Stamp,
+        exc: BaseException,
+        err: BaseException,
     ) -> None:
         named = await chk.gone_error(call.describe(), stamp, exc)
         if named is not None:
@@ -408,12 +414,12 @@ class Issuer:
             self._opts[key] = o
         return o
 
-    def _plan(self, call: Any) -> _Plan:
+    def _plan(self, call: ops.Call) -> _Plan:
         kind = type(call)
         steps = _STEPS.get(kind)
         if steps is None:
             return _OneCall(_PLANS[kind](self, call))
-        if kind is ops.Split:
+        if isinstance(call, ops.Split):
             # every rank's call travels pickled (see _partition): refuse now what cannot
             try:
                 ops.dumps((call.color, call.key), "color and key")

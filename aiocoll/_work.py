@@ -16,9 +16,12 @@ import asyncio
 import sys
 from collections.abc import Generator
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ._ops import Call
 
 __all__ = ["Site", "Work", "call_site", "fmt_site"]
 
@@ -59,7 +62,7 @@ class Work(abc.ABC):
 
     __slots__ = ("_call", "_fut", "_site")
 
-    def __init__(self, fut: asyncio.Future[Any], call: Any, site: Site | None) -> None:
+    def __init__(self, fut: asyncio.Future[Any], call: Call, site: Site | None) -> None:
         self._fut = fut  # completed with the op's result or error, on the loop of the ranks
         self._call = call  # an op's call (_ops); the engine reads the fields of the p2p calls it matches
         self._site = site

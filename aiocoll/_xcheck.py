@@ -119,7 +119,7 @@ def _edge(src: int, dst: int, value: tuple[int, ...]) -> int:
 _Edges = list[tuple[int, int, tuple[int, ...]]]
 
 
-def _transfers(call: Any, rank: int) -> tuple[_Edges, _Edges]:
+def _transfers(call: ops.Call, rank: int) -> tuple[_Edges, _Edges]:
     """What ``rank`` sends to each peer and expects from each, as (src, dst, size) edges.
 
     These are what the ops' ``check()`` compares across ranks: the calls agree exactly
@@ -142,7 +142,7 @@ def _transfers(call: Any, rank: int) -> tuple[_Edges, _Edges]:
     return [], []
 
 
-def fingerprint(call: Any, rank: int) -> tuple[int, int, int]:
+def fingerprint(call: ops.Call, rank: int) -> tuple[int, int, int]:
     """Three int64 that are equal on every rank's call only if the calls agree.
 
     The first is a hash of ``call.signature()``; the others are hashes of the edges a
@@ -180,7 +180,7 @@ def _meta(v: Any) -> Any:
     return v
 
 
-def shadow(call: Any) -> Any:
+def shadow(call: ops.Call) -> Any:
     """``call`` with meta tensors in place of its tensors: same signature, describe() and check()."""
     return dataclasses.replace(call, **{f.name: _meta(getattr(call, f.name)) for f in dataclasses.fields(call)})
 
@@ -230,7 +230,7 @@ class Checker:
 
     # -- gating ---------------------------------------------------------------------------------
 
-    def gate(self, call: Any, stamp: Stamp, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    def gate(self, call: ops.Call, stamp: Stamp, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = loop.create_future()
         if self.side is None:
             self._backlog.append((call, fut, stamp))
@@ -265,7 +265,7 @@ class Checker:
         for call, fut, stamp in backlog:
             self._send(call, fut, stamp, loop)
 
-    def _send(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop) -> None:
+    def _send(self, call: ops.Call, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop) -> None:
         assert self.side is not None
         size = self.iss.size
         mine = torch.tensor(fingerprint(call, self.iss.rank), dtype=torch.int64)
@@ -295,7 +295,7 @@ class Checker:
 
     # -- a mismatch ---------------------------------------------------------------------------
 
-    async def _mismatch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp) -> None:
+    async def _mismatch(self, call: ops.Call, fut: asyncio.Future[None], stamp: Stamp) -> None:
         """Swap every rank's call, site and history through the store; fail ``fut`` as in-process."""
         iss = self.iss
         seq = stamp.seq
@@ -366,11 +366,13 @@ class Checker:
 
     # -- a rank gone --------------------------------------------------------------------------
 
-    def _start_watch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop) -> None:
+    def _start_watch(
+        self, call: ops.Call, fut: asyncio.Future[None], stamp: Stamp, loop: asyncio.AbstractEventLoop
+    ) -> None:
         if not fut.done():
             self._spawn(loop, self._watch(call, fut, stamp))
 
-    async def _watch(self, call: Any, fut: asyncio.Future[None], stamp: Stamp) -> None:
+    async def _watch(self, call: ops.Call, fut: asyncio.Future[None], stamp: Stamp) -> None:
         """While the check waits, look for ranks that left, died or stopped; fail it if some did."""
         loop = asyncio.get_running_loop()
         while not fut.done():
@@ -388,7 +390,9 @@ class Checker:
             # a look ends at once when every peer is seen running: pace them
             await asyncio.sleep(max(0.0, Presence.INTERVAL - (loop.time() - began)))
 
-    async def _transport_failed(self, call: Any, fut: asyncio.Future[None], stamp: Stamp, exc: BaseException) -> None:
+    async def _transport_failed(
+        self, call: ops.Call, fut: asyncio.Future[None], stamp: Stamp, exc: BaseException
+    ) -> None:
         err = await self.gone_error(call.describe(), stamp, exc)
         self._fail(fut, err if err is not None else self.iss.error(call.describe(), exc))
 
