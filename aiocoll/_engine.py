@@ -378,10 +378,8 @@ class EngineWork(Work):
             self._fut.exception()
         self._rank.completed += 1
         stamp = self._stamp
-        if stamp is not None and stamp.done is None and exc is not None:
-            # failures end here; successes are stamped once per collective in _complete
-            stamp.done = _now()
-            stamp.outcome = type(exc).__name__
+        if stamp is not None and exc is not None:
+            stamp.failed(exc)  # (successes are stamped once per collective, in _complete)
         if self._tfuts is not None:
             with _tfut_lock:
                 tfuts, self._tfuts = self._tfuts, []
@@ -664,9 +662,7 @@ class World:
         ring = work._rank.record
         if ring is not None:
             stamp = work._stamp = Stamp(work._group.name, {work._rank.rank: 0}, None, call.describe(), 1)
-            stamp.arrived[0] = _now()
-            if work._site is not None:
-                stamp.files[0], stamp.lines[0] = work._site
+            stamp.arrive(0, work._site)
             ring.append(stamp)
         bridge = work._group.bridge
         if self.aborted is not None:
@@ -727,14 +723,11 @@ class World:
                     rdv.mismatched = True
                     self._mismatched.append(rdv)
                 if rdv.stamp is not None:
-                    rdv.stamp.sigs = rdv.stamp.sigs or {}
-                    rdv.stamp.sigs[grank] = sig
+                    rdv.stamp.differs(grank, sig)
         stamp = rdv.stamp
-        if stamp is not None:  # the flight recorder is on (inlined: this is the hot path)
+        if stamp is not None:  # the flight recorder is on
             work._stamp = stamp
-            stamp.arrived[grank] = _now()
-            if work._site is not None:
-                stamp.files[grank], stamp.lines[grank] = work._site
+            stamp.arrive(grank, work._site)
             work._rank.record.append(stamp)  # type: ignore[union-attr]
         work._rdv = rdv
         rdv.calls[grank] = call
@@ -757,7 +750,7 @@ class World:
     def _complete(self, rdv: Rendezvous) -> None:
         del rdv.group.pending[rdv.seq]
         if rdv.stamp is not None:
-            rdv.stamp.last = _now()
+            rdv.stamp.all_here()
         bridge = rdv.group.bridge
         if bridge is not None:
             if rdv.mismatched:

@@ -202,7 +202,7 @@ class P2PMatcher(Generic[W]):
         for w in (sw, rw):
             self.waiting.discard(w)
             if w._stamp is not None:
-                w._stamp.last = _now()  # both sides are here
+                w._stamp.all_here()  # both sides are here
         problem = check_transfer(sw._call, rw._call)
         if problem is not None:
             msg = (
@@ -231,8 +231,7 @@ class P2PMatcher(Generic[W]):
         rw._resolve(src)
         for w in (sw, rw):
             if w._stamp is not None:
-                w._stamp.done = _now()
-                w._stamp.outcome = "ok"
+                w._stamp.ok()
 
     # -- timeouts and abort ------------------------------------------------------------
 

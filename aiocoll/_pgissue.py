@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -337,8 +336,10 @@ class Issuer:
         stamp = self._stamps.pop(fut, None)
         err = None if exc is None else self.error(call.describe(), exc)
         if stamp is not None:
-            stamp.done = time.perf_counter()
-            stamp.outcome = "ok" if err is None else type(err).__name__
+            if err is None:
+                stamp.ok()
+            else:
+                stamp.failed(err)
         if fut.done():
             return
         if err is None:

@@ -57,6 +57,35 @@ class Stamp:
     def sig_of(self, grank: int) -> Hashable:
         return self.sig if self.sigs is None else self.sigs.get(grank, self.sig)
 
+    # What the engine and the issuer tell the recorder; only these methods write a stamp.
+
+    def arrive(self, grank: int, site: tuple[str, int] | None, at: float | None = None) -> None:
+        """Group-rank ``grank`` called the op now (or ``at``), at ``site`` (file, line) if known."""
+        self.arrived[grank] = time.perf_counter() if at is None else at
+        if site is not None:
+            self.files[grank], self.lines[grank] = site
+
+    def differs(self, grank: int, sig: Hashable) -> None:
+        """Group-rank ``grank`` called it with ``sig``, which is not the first caller's (a mismatch)."""
+        if self.sigs is None:
+            self.sigs = {}
+        self.sigs[grank] = sig
+
+    def all_here(self) -> None:
+        """The last rank it waits for arrived now."""
+        self.last = time.perf_counter()
+
+    def ok(self) -> None:
+        """It completed now."""
+        self.done = time.perf_counter()
+        self.outcome = "ok"
+
+    def failed(self, exc: BaseException) -> None:
+        """It failed now with ``exc``, unless it had ended already (the first end counts)."""
+        if self.done is None:
+            self.done = time.perf_counter()
+            self.outcome = type(exc).__name__
+
 
 Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
 

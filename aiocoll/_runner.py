@@ -201,8 +201,7 @@ class OpRunner(Generic[W]):
                     w._resolve(res)
                     w._rdv = None  # break the work <-> rendezvous cycle: free it by refcount, not by gc
         if rdv.stamp is not None:
-            rdv.stamp.done = _now()
-            rdv.stamp.outcome = "ok"
+            rdv.stamp.ok()
 
     def _resolve_shuffled(self, works: list[W | None], results: list[Any]) -> None:
         """A seeded schedule: release the ranks in a random order, some a few loop turns late.
@@ -288,8 +287,8 @@ class OpRunner(Generic[W]):
         else:
             work._resolve(fut.result())
             if work._stamp is not None:
-                work._stamp.last = work._stamp.done = _now()
-                work._stamp.outcome = "ok"
+                work._stamp.all_here()
+                work._stamp.ok()
         self._liveness.check()
 
     # -- abort -------------------------------------------------------------------------

@@ -352,11 +352,8 @@ class Checker:
                     st = stamps[seq] = Stamp(self.iss.name, index, seq, sig, size)
                     st.outcome = outcome
                 elif sig != st.sig:
-                    st.sigs = st.sigs or {}
-                    st.sigs[r] = sig
-                st.arrived[r] = float(seq)  # one clock for all processes: the order of calls
-                if site is not None:
-                    st.files[r], st.lines[r] = site
+                    st.differs(r, sig)
+                st.arrive(r, site, at=float(seq))  # one clock for all processes: the order of calls
                 if seq == bad:
                     st.outcome = "CollectiveMismatchError"
                 elif outcome != "ok" and st.outcome == "ok":

@@ -204,3 +204,25 @@ def test_snapshot_and_formatting() -> None:
         "all_reduce MAX bf16[2,3]"
     )
     assert format_signature("barrier") == "barrier"
+
+
+def test_a_stamp_is_written_through_its_methods_and_its_first_end_counts() -> None:
+    st = Stamp("world", {0: 0, 1: 1}, 3, ("all_reduce",), 2)
+    st.arrive(0, ("train.py", 12))
+    st.arrive(1, None, at=5.0)
+    assert (st.files, st.lines, st.arrived[1]) == (["train.py", ""], [12, 0], 5.0)
+    assert st.arrived[0] > 0
+    st.differs(1, ("broadcast",))
+    assert (st.sig_of(0), st.sig_of(1)) == (("all_reduce",), ("broadcast",))
+    st.all_here()
+    st.failed(ValueError("first"))
+    done = st.done
+    st.failed(RuntimeError("an echo"))
+    assert (st.outcome, st.done) == ("ValueError", done)  # the first end counts
+    assert st.last is not None
+    assert done is not None
+    assert st.last <= done
+    ok = Stamp("world", {0: 0}, None, "send", 1)
+    ok.ok()
+    assert ok.outcome == "ok"
+    assert ok.done is not None
