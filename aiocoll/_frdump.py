@@ -161,6 +161,33 @@ class _Clock:
         return None if t is None else int(t * 1e9) + self.offset
 
 
+class _Groups:
+    """The groups a rank's dump names (``pg_config``) and how far each got (``pg_status``)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.config: dict[str, dict[str, str]] = {}
+        self.status: dict[str, dict[str, int]] = {}
+
+    def saw(self, info: GroupInfo, seq: int | None, state: str) -> int:
+        """An entry of ``info``'s (collective ``seq``, None for p2p) in ``state``; the group's id."""
+        pg_id = self.ids.get(info.name)
+        if pg_id is None:
+            pg_id = self.ids[info.name] = len(self.ids)
+            self.config[info.name] = {"name": info.name, "desc": info.desc, "ranks": str(list(info.ranks))}
+            self.status[str(pg_id)] = dict.fromkeys(
+                ("last_enqueued_collective", "last_started_collective", "last_completed_collective"), -1
+            )
+        if seq is not None:
+            status = self.status[str(pg_id)]
+            status["last_enqueued_collective"] = seq
+            if state != "scheduled":
+                status["last_started_collective"] = seq
+            if state == "completed":
+                status["last_completed_collective"] = seq
+        return pg_id
+
+
 def rank_dump(
     rank: int,
     stamps: Iterable[Stamp],
@@ -178,9 +205,7 @@ def rank_dump(
     to write (older ones are missing from some rank's ring, see ``dump_world``).
     """
     clock = clock or _Clock()
-    pg_ids: dict[str, int] = {}
-    pg_config: dict[str, dict[str, str]] = {}
-    pg_status: dict[str, dict[str, int]] = {}
+    groups = _Groups()
     p2p_counts: dict[str, int] = {}
     entries: list[dict[str, Any]] = []
     for stamp in stamps:
@@ -208,27 +233,13 @@ def rank_dump(
                 continue
             name, sizes, out_sizes, dtype = op
             coll_seq, p2p_seq = stamp.seq, 0
-        if info.name not in pg_ids:
-            pg_ids[info.name] = len(pg_ids)
-            pg_config[info.name] = {"name": info.name, "desc": info.desc, "ranks": str(list(info.ranks))}
-            pg_status[str(pg_ids[info.name])] = {
-                "last_enqueued_collective": -1,
-                "last_started_collective": -1,
-                "last_completed_collective": -1,
-            }
         state = _state(stamp)
-        if stamp.seq is not None:
-            status = pg_status[str(pg_ids[info.name])]
-            status["last_enqueued_collective"] = stamp.seq
-            if state != "scheduled":
-                status["last_started_collective"] = stamp.seq
-            if state == "completed":
-                status["last_completed_collective"] = stamp.seq
+        pg_id = groups.saw(info, stamp.seq, state)
         site = [{"name": format_signature(sig), "filename": stamp.files[g], "line": stamp.lines[g]}]
         entries.append(
             {
                 "record_id": first_record_id + len(entries),
-                "pg_id": pg_ids[info.name],
+                "pg_id": pg_id,
                 "process_group": (info.name, info.desc),
                 "collective_seq_id": coll_seq,
                 "p2p_seq_id": p2p_seq,
@@ -253,8 +264,8 @@ def rank_dump(
     return {
         "version": _torch.fr_format_version(),
         "comm_lib_version": "aiocoll",
-        "pg_config": pg_config,
-        "pg_status": pg_status,
+        "pg_config": groups.config,
+        "pg_status": groups.status,
         "entries": entries,
     }
 
