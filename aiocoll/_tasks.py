@@ -278,7 +278,7 @@ def task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
         if guarded:
             f.depth -= 1  # type: ignore[union-attr]
     if task in tasks.helpers:
-        # counted already: found by count_all_tasks in its first step, or made by a call back
+        # counted already: found by WorldTasks.count_all in its first step, or made by a call back
         tasks.counts._change(-1, 0)
     else:
         tasks.helpers.add(task)
