@@ -140,10 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
+    if argv[:1] == ["run"]:
+        from aiocoll._run import main as run_main
+
+        return run_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m aiocoll",
         description=__doc__,
-        epilog="python -m aiocoll trace FILE: summarise a trace written by spawn(..., trace=FILE)",
+        epilog=(
+            "python -m aiocoll run [torchrun's options] script.py [args]: a torchrun script, every rank "
+            "in this process (aiocoll run --help). "
+            "python -m aiocoll trace FILE: summarise a trace written by spawn(..., trace=FILE)"
+        ),
     )
     parser.add_argument("--world", type=int, default=4, help="number of ranks (default 4)")
     args = parser.parse_args(argv)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from types import FrameType
 from typing import Any, Generic, TypeVar
@@ -24,6 +25,9 @@ __all__ = ["WorldThread"]
 T = TypeVar("T")
 
 _RANK_THREAD = "aiocoll rank "  # how spawn names its rank threads: "aiocoll rank 3"
+
+
+_SLICE = 0.2  # seconds: how soon a ^C is seen while the caller waits for the world
 
 
 class WorldThread(Generic[T]):
@@ -56,8 +60,18 @@ class WorldThread(Generic[T]):
         threading.Thread(target=self._run, name="aiocoll world loop", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether the world has ended, after waiting up to ``timeout`` seconds."""
-        return self._done.wait(timeout)
+        """Whether the world has ended, after waiting up to ``timeout`` seconds.
+
+        Waits in slices: a ^C (SIGINT) may be delivered to a rank thread, and then only
+        wakes the main thread at its next bytecode, which a long wait would postpone.
+        """
+        if timeout is not None and timeout <= _SLICE:
+            return self._done.wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(_SLICE if end is None else max(0.0, min(_SLICE, end - time.monotonic()))):
+            if end is not None and time.monotonic() >= end:
+                return False
+        return True
 
     @property
     def error(self) -> BaseException | None:

@@ -1,0 +1,216 @@
+"""``aiocoll run``: a torchrun script with every rank in this process, as aiocoll sync ranks.
+
+``python -m aiocoll run --nproc-per-node 4 train.py --lr 0.1`` runs ``train.py`` as torchrun
+would start it four times: each rank runs the script as its own ``__main__`` (its own module
+globals), reads torchrun's environment in ``os.environ`` (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ... every variable torchrun's agent sets), and its
+``init_process_group`` (any backend name, any init method) makes an aiocoll group. The ranks
+take turns on one thread at a time (sync ranks: per-rank random generators and environment),
+and a mismatch, a deadlock or a rank that left is reported at once.
+
+The first version of the command: ``--nnodes`` above 1 and options that only make sense
+with several processes are refused with the reason; scripts that start their own ranks
+(``torch.multiprocessing.spawn``) are not yet run as aiocoll ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import builtins
+import contextlib
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+from . import _harness, _torch
+from ._config import DEFAULT_TIMEOUT
+
+__all__ = ["main", "parser", "worker_env"]
+
+# where the frames a rank's traceback starts with come from: aiocoll's, asyncio's, the thread's
+_NOT_THE_SCRIPTS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep,
+    os.path.abspath(threading.__file__),
+    "uvloop",
+)
+
+# A run has no test's timeout: its deadline only keeps a rank stuck in C code from hanging for ever.
+_NO_DEADLINE = 7 * 24 * 3600.0
+
+
+def parser() -> argparse.ArgumentParser:
+    """torchrun's command line (its options under both spellings), plus aiocoll's own."""
+    p = argparse.ArgumentParser(
+        prog="aiocoll run",
+        description=(
+            "Run a torchrun script with every rank in this process, as aiocoll sync ranks: "
+            "mismatched collectives, deadlocks and ranks that leave are reported at once."
+        ),
+        epilog="Example: aiocoll run --nproc-per-node 4 train.py --epochs 1",
+    )
+
+    def opt(*names: str, **kw: object) -> None:
+        spelled = [*names, *("--" + n[2:].replace("-", "_") for n in names if n.startswith("--") and "-" in n[2:])]
+        p.add_argument(*spelled, **kw)  # type: ignore[arg-type]
+
+    opt("--nproc-per-node", dest="nproc_per_node", default="1", help="ranks to run (torchrun's: an int; default 1)")
+    opt("--nnodes", default="1", help="only 1 (or 1:1): every rank runs in this process")
+    opt("--node-rank", dest="node_rank", type=int, default=0, help="only 0")
+    opt("--standalone", action="store_true", help="accepted (a run is always standalone)")
+    opt("--master-addr", dest="master_addr", default="127.0.0.1", help="MASTER_ADDR the ranks read")
+    opt("--master-port", dest="master_port", type=int, default=29500, help="MASTER_PORT the ranks read")
+    opt("--rdzv-backend", dest="rdzv_backend", default="static", help="accepted; no rendezvous is needed")
+    opt("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="accepted; no rendezvous is needed")
+    opt("--rdzv-id", dest="rdzv_id", default="none", help="TORCHELASTIC_RUN_ID the ranks read")
+    opt("--rdzv-conf", dest="rdzv_conf", default="", help="accepted; no rendezvous is needed")
+    opt("--max-restarts", dest="max_restarts", type=int, default=0, help="run the world again up to N times")
+    opt("--role", default="default", help="ROLE_NAME the ranks read")
+    opt("--run-path", dest="run_path", action="store_true", help="accepted: the script is run by its path")
+    opt("-m", "--module", action="store_true", help="the script is a module: run it as 'python -m' would")
+    opt("--no-python", dest="no_python", action="store_true", help="refused: a rank runs Python code")
+    opt("--timeout", type=float, default=DEFAULT_TIMEOUT, help="aiocoll: seconds a rank may wait in one collective")
+    p.add_argument("script", help="the script (or, with -m, the module) each rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def worker_env(rank: int, size: int, args: argparse.Namespace, restart: int = 0) -> dict[str, str]:
+    """The variables torchrun's agent sets for worker ``rank`` of ``size`` (one node, one group)."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": args.role,
+        "LOCAL_WORLD_SIZE": str(size),
+        "WORLD_SIZE": str(size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(size),
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(args.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        "TORCHELASTIC_RUN_ID": args.rdzv_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun does (it prints a warning about it)
+    return env
+
+
+class _Refused(Exception):
+    """An option this run cannot honour in one process."""
+
+
+def _size(args: argparse.Namespace) -> int:
+    if args.nnodes not in ("1", "1:1"):
+        raise _Refused(
+            f"--nnodes {args.nnodes}: every rank of 'aiocoll run' runs in this process; for several nodes use "
+            "torchrun with aiocoll.from_process_group, or a hybrid world (spawn(..., process_group=...))"
+        )
+    if args.node_rank != 0:
+        raise _Refused(f"--node-rank {args.node_rank}: a run has one node, rank 0")
+    if args.no_python:
+        raise _Refused("--no-python: each rank runs Python code in this process")
+    try:
+        n = int(args.nproc_per_node)
+    except ValueError:
+        raise _Refused(f"--nproc-per-node {args.nproc_per_node!r}: give the number of ranks (an int)") from None
+    if n < 1:
+        raise _Refused(f"--nproc-per-node {n}: at least one rank")
+    if args.max_restarts < 0:
+        raise _Refused(f"--max-restarts {args.max_restarts}: a count, 0 or more")
+    return n
+
+
+def _rank_main(args: argparse.Namespace, size: int, restart: int) -> Callable[[int], None]:
+    script = args.script
+    code = None
+    if not args.module:
+        with open(script, "rb") as f:  # (read once: every rank runs the same code)
+            code = compile(f.read(), script, "exec")
+
+    def rank_main(rank: int) -> None:
+        os.environ.update(worker_env(rank, size, args, restart))  # this rank's view (see _procstate)
+        try:
+            if code is not None:
+                # a module namespace of its own, as `python script.py` gives each process;
+                # sys.modules["__main__"] stays the process's (ranks would swap it under each other)
+                namespace = {"__name__": "__main__", "__file__": script, "__builtins__": builtins}
+                namespace.update(__spec__=None, __loader__=None, __package__=None, __cached__=None)
+                exec(code, namespace)
+            else:
+                runpy.run_module(script, run_name="__main__", alter_sys=False)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise  # the rank's exit code: a failure, as in torchrun
+            # exit(0): this rank is done, as its process would be
+
+    return rank_main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``aiocoll run [options] script [args]``: the exit code (0, or 1 if a rank failed, as torchrun's)."""
+    args = parser().parse_args(argv)
+    try:
+        size = _size(args)
+    except _Refused as e:
+        print(f"aiocoll run: {e}", file=sys.stderr)
+        return 2
+    script_dir = os.path.dirname(os.path.abspath(args.script)) if not args.module else os.getcwd()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [args.script, *args.script_args]
+    sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
+    try:
+        for restart in range(args.max_restarts + 1):
+            code = _run_once(args, size, restart)
+            if code == 0 or restart == args.max_restarts:
+                return code
+            print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
+        return 1  # (not reached)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _run_once(args: argparse.Namespace, size: int, restart: int) -> int:
+    world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.script}")
+    rank_main = _rank_main(args, size, restart)
+    started = time.time()
+    _torch.prepare_for_rank_threads()
+    with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):
+        try:
+            end = world.run(rank_main)
+        except KeyboardInterrupt:
+            print("aiocoll run: interrupted", file=sys.stderr)
+            return 130
+    if end.needs_process is not None:
+        print(
+            f"aiocoll run: {args.script} needs processes of its own ({end.needs_process}); run it under torchrun",
+            file=sys.stderr,
+        )
+        return 1
+    if end.error is None:
+        return 0
+    _report(end.error, size, started)
+    return 1
+
+
+def _report(error: BaseException, size: int, started: float) -> None:
+    """The first failure, as torchrun's summary puts it (root cause first), with aiocoll's notes."""
+    code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
+    print("=" * 60, file=sys.stderr)
+    print(f"aiocoll run: FAILED (a world of {size} ranks, after {time.time() - started:.1f} s)", file=sys.stderr)
+    print(f"Root Cause (first observed failure): exitcode {code}", file=sys.stderr)
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_NOT_THE_SCRIPTS):
+        tb = tb.tb_next  # from the script's frame in, as a process's traceback starts there
+    with contextlib.suppress(Exception):
+        traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+    print("=" * 60, file=sys.stderr)

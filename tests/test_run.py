@@ -1,0 +1,236 @@
+"""``aiocoll run``: unmodified torchrun scripts, every rank in one process, as a new user runs them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+# every variable torchrun's agent sets for a worker (torch/distributed/elastic/agent/server/local_elastic_agent.py)
+TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+
+def run(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aiocoll", "run", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    (tmp_path / name).write_text(textwrap.dedent(body), encoding="utf-8")
+    return name
+
+
+def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "train.py",
+        f"""
+        import json, os, sys
+        import torch
+        import torch.distributed as dist
+
+        calls = 0  # a module global: each rank's __main__ has its own
+
+        def step():
+            global calls
+            calls += 1
+
+        backend, init = sys.argv[1], sys.argv[2]
+        kwargs = {{}} if init == "env" else {{"init_method": "env://"}}
+        dist.init_process_group(backend or None, **kwargs)
+        step()
+        rank = dist.get_rank()
+        t = torch.full((3,), float(rank))
+        dist.all_reduce(t)
+        evens = dist.new_group([0, 2])
+        if rank in (0, 2):
+            dist.all_reduce(t, group=evens)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo")  # again, after a destroy
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, __name__)
+        dist.destroy_process_group()
+        env = {{k: os.environ.get(k) for k in {TORCHRUN_ENV!r}}}
+        print("RESULT", json.dumps([rank, t.tolist(), calls, names, sys.argv[1:], env,
+                                    dist.is_torchelastic_launched()]), flush=True)
+        """,
+    )
+    proc = run(tmp_path, "--nproc_per_node", "3", "--master-port", "29777", name, "gloo", "env", "--lr", "0.1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted(
+        json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
+    )
+    assert [r[0] for r in results] == [0, 1, 2]
+    for rank, t, calls, names, argv, env, elastic in results:
+        assert t == ([6.0] * 3 if rank in (0, 2) else [3.0] * 3)  # 0+1+2, then the evens' sum of 3s
+        assert calls == 1  # its own module globals
+        assert names == ["__main__"] * 3
+        assert argv == ["gloo", "env", "--lr", "0.1"]
+        assert elastic is True
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "3"
+        assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["ROLE_NAME"]) == ("0", "1", "default")
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29777")
+        assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("0", "0")
+        assert None not in env.values(), env
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", ""])
+def test_any_backend_name_runs_on_aiocoll(tmp_path: Path, backend: str) -> None:
+    name = script(
+        tmp_path,
+        "b.py",
+        """
+        import sys, torch, torch.distributed as dist
+        dist.init_process_group(sys.argv[1] or None, init_method="env://")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("SUM", int(t.item()), dist.get_backend())
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", "--standalone", name, backend)
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("SUM"))
+    assert [line.split()[1] for line in lines] == ["2", "2"]
+
+
+def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "fail.py",
+        """
+        import sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, t = dist.get_rank(), torch.ones(1)
+        if sys.argv[1] == "raise" and rank == 1:
+            raise ValueError("rank 1 is broken")
+        if sys.argv[1] == "exit" and rank == 2:
+            sys.exit(3)
+        if sys.argv[1] == "mismatch" and rank == 0:
+            dist.broadcast(t, 0)
+        else:
+            dist.all_reduce(t)
+        if sys.argv[1] == "done" and rank == 0:
+            sys.exit(0)  # a rank done early, as a process that exits 0
+        """,
+    )
+    raised = run(tmp_path, "--nproc-per-node", "4", name, "raise")
+    assert raised.returncode == 1
+    err = raised.stderr
+    assert "Root Cause (first observed failure): exitcode 1" in err
+    assert "ValueError: rank 1 is broken" in err
+    assert "aiocoll: raised on rank 1 of a world of 4" in err
+    assert "aiocoll: ranks [0, 2, 3] were aborted because of it" in err
+    # the traceback starts in the script, as a process's would
+    assert err.split("Traceback (most recent call last):\n", 1)[1].startswith(f'  File "{name}", line 6')
+
+    exited = run(tmp_path, "--nproc-per-node", "4", name, "exit")
+    assert exited.returncode == 1
+    assert "exitcode 3" in exited.stderr
+    assert "aiocoll: raised on rank 2 of a world of 4" in exited.stderr
+
+    mismatch = run(tmp_path, "--nproc-per-node", "4", name, "mismatch")
+    assert mismatch.returncode == 1
+    assert "CollectiveMismatchError" in mismatch.stderr
+    assert f"rank 0: broadcast(float32[1], src=0) at {name}:10" in mismatch.stderr
+
+    assert run(tmp_path, "--nproc-per-node", "4", name, "done").returncode == 0
+
+
+def test_restarts_and_modules(tmp_path: Path) -> None:
+    script(
+        tmp_path,
+        "flaky.py",
+        """
+        import os, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+            raise RuntimeError("first attempt fails")
+        dist.barrier()
+        print("OK", os.environ["TORCHELASTIC_RESTART_COUNT"])
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "-m", "flaky")
+    assert proc.returncode == 0, proc.stderr
+    assert "restarting the world (1 of 1)" in proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("OK")) == ["OK 1", "OK 1"]
+
+
+def test_what_one_process_cannot_do_is_refused_with_the_reason(tmp_path: Path) -> None:
+    name = script(tmp_path, "x.py", "print('never')\n")
+    nodes = run(tmp_path, "--nnodes", "2", name)
+    assert nodes.returncode == 2
+    assert "--nnodes 2" in nodes.stderr
+    assert "from_process_group" in nodes.stderr
+    assert "never" not in nodes.stdout
+    helped = run(tmp_path, "--help")
+    assert helped.returncode == 0
+    for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--timeout"):
+        assert option in helped.stdout
+
+
+def test_ctrl_c_ends_a_busy_run_at_once(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "busy.py",
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if dist.get_rank() == 0:
+            print("STARTED", flush=True)
+        while True:
+            dist.all_reduce(t)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "4", name],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a shell's background job may ignore SIGINT, and a child inherits that: as from a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "STARTED"
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "aiocoll run: interrupted" in err
+    assert took < 10, f"{took:.1f} s after ^C"
