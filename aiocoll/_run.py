@@ -164,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Refused as e:
         print(f"aiocoll run: {e}", file=sys.stderr)
         return 2
+    if not args.module and not os.path.isfile(args.script):
+        print(f"aiocoll run: can't open file {args.script!r}: no such file", file=sys.stderr)
+        return 2  # as python's own
     script_dir = os.path.dirname(os.path.abspath(args.script)) if not args.module else os.getcwd()
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.script_args]

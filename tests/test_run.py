@@ -192,6 +192,9 @@ def test_what_one_process_cannot_do_is_refused_with_the_reason(tmp_path: Path) -
     assert "--nnodes 2" in nodes.stderr
     assert "from_process_group" in nodes.stderr
     assert "never" not in nodes.stdout
+    missing = run(tmp_path, "--nproc-per-node", "2", "nowhere.py")
+    assert missing.returncode == 2
+    assert "can't open file 'nowhere.py'" in missing.stderr
     helped = run(tmp_path, "--help")
     assert helped.returncode == 0
     for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--timeout"):
