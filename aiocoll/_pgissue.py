@@ -265,7 +265,13 @@ class Issuer:
             if gate is not None and not gate.done() and self.aborted is None:
                 return  # (aborted: its check can no longer matter, and may never end)
             self._gated.popleft()
-            exc = gate.exception() if gate is not None and gate.done() and not gate.cancelled() else None
+            exc: BaseException | None = None
+            if gate is not None and gate.done():
+                exc = (
+                    AiocollError(f"{queued.call.describe()} on rank {self.rank}: its cross-process check was cancelled")
+                    if gate.cancelled()
+                    else gate.exception()
+                )
             if exc is not None:
                 self._finish(queued.fut, queued.call, None, exc)
             elif self.aborted is not None:

@@ -19,7 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aiocoll import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError, WorldAbortedError
+from aiocoll import (
+    AiocollError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    WorldAbortedError,
+)
 from aiocoll import _ops as ops
 from aiocoll._pgissue import Issuer
 
@@ -299,5 +305,23 @@ def test_bad_arguments_raise_before_anything_is_sent(group: FakeGroup) -> None:
             iss.issue(bad)
         assert group.names() == []
         assert not iss.pending
+
+    run(body)
+
+
+def test_a_cancelled_check_fails_its_op_and_the_next_goes_on(group: FakeGroup) -> None:
+    async def body() -> None:
+        iss = Issuer(group)
+        chk = FakeChecker()
+        iss.checker = chk  # type: ignore[assignment]
+        first, second = iss.issue(all_reduce()), iss.issue(ops.Barrier())
+        chk.gates[0].cancel()
+        chk.gates[1].set_result(None)
+        with pytest.raises(AiocollError, match="its cross-process check was cancelled"):
+            await first
+        await turns()
+        assert group.names() == ["barrier"]  # the unchecked op was never sent; the next one was
+        group.works[0].complete()
+        assert await second is None
 
     run(body)
