@@ -525,7 +525,12 @@ def test_timeout_and_peer_death(results: tuple[list[dict[str, object]], list[dic
     assert "timed out" in msg
     assert took < 10
     name, msg, cause, took = g0["peer_died"]  # type: ignore[misc]
-    assert (name, cause) == ("WorldAbortedError", "RuntimeError")
+    # Two watchers race to name the dead peer, and either report is right: the transport
+    # failing under the check (chained to gloo's RuntimeError), or the checks' presence
+    # watch finding its process gone first (nothing to chain: no transport error yet).
+    # Which one wins depends on load (seen both ways under pytest -n 2).
+    assert name == "WorldAbortedError"
+    assert cause in ("RuntimeError", "NoneType")
     assert msg.startswith("all_reduce(float32[1000], op=ReduceOp.SUM) on rank 0 of group ")
     # named by the checks' presence: its process (os._exit, no word at exit) is gone from /proc
     assert re.search(r"failed: rank 1 died \(pid \d+ on this host is gone\)", msg), msg
