@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for restart in range(args.max_restarts + 1):
             code = _run_once(args, size, restart)
-            if code == 0 or restart == args.max_restarts:
+            if code in (0, 130) or restart == args.max_restarts:  # (^C ends the run: no restart)
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
         return 1  # (not reached)
@@ -183,8 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_once(args: argparse.Namespace, size: int, restart: int) -> int:
+    try:
+        rank_main = _rank_main(args, size, restart)
+    except SyntaxError as e:
+        traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
+        return 1
     world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.script}")
-    rank_main = _rank_main(args, size, restart)
     started = time.time()
     _torch.prepare_for_rank_threads()
     with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):

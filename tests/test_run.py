@@ -192,6 +192,10 @@ def test_what_one_process_cannot_do_is_refused_with_the_reason(tmp_path: Path) -
     assert "--nnodes 2" in nodes.stderr
     assert "from_process_group" in nodes.stderr
     assert "never" not in nodes.stdout
+    broken = run(tmp_path, "--nproc-per-node", "2", script(tmp_path, "broken.py", "def f(:\n"))
+    assert broken.returncode == 1
+    assert "SyntaxError" in broken.stderr
+    assert "_run.py" not in broken.stderr  # python's report of the script, not aiocoll's frames
     missing = run(tmp_path, "--nproc-per-node", "2", "nowhere.py")
     assert missing.returncode == 2
     assert "can't open file 'nowhere.py'" in missing.stderr
@@ -217,7 +221,7 @@ def test_ctrl_c_ends_a_busy_run_at_once(tmp_path: Path) -> None:
         """,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "4", name],
+        [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "4", "--max-restarts", "2", name],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
