@@ -130,6 +130,14 @@ class FakeChecker:
         return None  # nobody is known to have left
 
 
+def checked(group: FakeGroup) -> tuple[Issuer, FakeChecker]:
+    """An issuer of ``group`` whose collectives wait for checks the test opens (or fails)."""
+    iss = Issuer(group)
+    chk = FakeChecker()
+    iss.checker = chk  # type: ignore[assignment]
+    return iss, chk
+
+
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -186,9 +194,7 @@ def test_a_multi_step_op_holds_the_group_until_it_ends(group: FakeGroup) -> None
 
 def test_collectives_wait_for_their_checks_in_call_order(group: FakeGroup) -> None:
     async def body() -> None:
-        iss = Issuer(group)
-        chk = FakeChecker()
-        iss.checker = chk  # type: ignore[assignment]
+        iss, chk = checked(group)
         first, second = iss.issue(all_reduce()), iss.issue(ops.Barrier())
         assert group.names() == []
         chk.gates[1].set_result(None)  # the second passed its check first: it still waits for the first
@@ -206,9 +212,7 @@ def test_collectives_wait_for_their_checks_in_call_order(group: FakeGroup) -> No
 
 def test_a_failed_check_fails_its_op_and_sends_nothing(group: FakeGroup) -> None:
     async def body() -> None:
-        iss = Issuer(group)
-        chk = FakeChecker()
-        iss.checker = chk  # type: ignore[assignment]
+        iss, chk = checked(group)
         fut = iss.issue(all_reduce())
         chk.gates[0].set_exception(CollectiveMismatchError("rank 1 called broadcast"))
         with pytest.raises(CollectiveMismatchError, match="rank 1 called broadcast"):
@@ -222,9 +226,7 @@ def test_p2p_on_the_cpu_is_not_held_behind_a_check(group: FakeGroup) -> None:
     # gloo matches p2p by tag alone: a send held behind a check that waits for the peer's
     # next collective would deadlock a program that works unchecked
     async def body() -> None:
-        iss = Issuer(group)
-        chk = FakeChecker()
-        iss.checker = chk  # type: ignore[assignment]
+        iss, chk = checked(group)
         coll = iss.issue(all_reduce())
         sent = iss.issue(ops.Send(torch.ones(2), 1, 0))
         assert group.names() == ["send"]
@@ -241,9 +243,7 @@ def test_p2p_on_the_cpu_is_not_held_behind_a_check(group: FakeGroup) -> None:
 
 def test_abort_fails_the_ops_waiting_for_checks_and_every_later_one_at_once(group: FakeGroup) -> None:
     async def body() -> None:
-        iss = Issuer(group)
-        chk = FakeChecker()
-        iss.checker = chk  # type: ignore[assignment]
+        iss, chk = checked(group)
         waiting = iss.issue(all_reduce())
         reason = CollectiveMismatchError("rank 1 called barrier")
         iss.abort(reason)
@@ -311,9 +311,7 @@ def test_bad_arguments_raise_before_anything_is_sent(group: FakeGroup) -> None:
 
 def test_a_cancelled_check_fails_its_op_and_the_next_goes_on(group: FakeGroup) -> None:
     async def body() -> None:
-        iss = Issuer(group)
-        chk = FakeChecker()
-        iss.checker = chk  # type: ignore[assignment]
+        iss, chk = checked(group)
         first, second = iss.issue(all_reduce()), iss.issue(ops.Barrier())
         chk.gates[0].cancel()
         chk.gates[1].set_result(None)
