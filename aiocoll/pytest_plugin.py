@@ -399,8 +399,7 @@ class _SyncWorld:
         wt = self._world
         wt.start()
         try:
-            while not wt.wait(0.5):  # a timeout, so ^C gets through on every platform
-                pass
+            wt.wait()  # (in slices: a ^C gets through on every platform)
         except BaseException as interrupt:
             # where each rank is now: one busy outside a collective is why the others waited
             busy = {r: tb for r, tb in self._ranks().items() if not _in_collective(tb)}
