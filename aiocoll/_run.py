@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from types import CodeType
 
 from . import _harness, _torch
 from ._config import DEFAULT_TIMEOUT
@@ -130,12 +131,9 @@ def _size(args: argparse.Namespace) -> int:
     return n
 
 
-def _rank_main(args: argparse.Namespace, size: int, restart: int) -> Callable[[int], None]:
+def _rank_main(args: argparse.Namespace, code: CodeType | None, size: int, restart: int) -> Callable[[int], None]:
+    """What each rank runs: the script's ``code`` (None: the module ``args.script``)."""
     script = args.script
-    code = None
-    if not args.module:
-        with open(script, "rb") as f:  # (read once: every rank runs the same code)
-            code = compile(f.read(), script, "exec")
 
     def rank_main(rank: int) -> None:
         os.environ.update(worker_env(rank, size, args, restart))  # this rank's view (see _procstate)
@@ -172,8 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
     try:
+        script_code = None
+        if not args.module:
+            with open(args.script, "rb") as f:  # (read once: every rank and restart runs the same code)
+                script_code = compile(f.read(), args.script, "exec")
+    except SyntaxError as e:
+        traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
+        return 1
+    try:
         for restart in range(args.max_restarts + 1):
-            code = _run_once(args, size, restart)
+            code = _run_once(args, _rank_main(args, script_code, size, restart), size)
             if code in (0, 130) or restart == args.max_restarts:  # (^C ends the run: no restart)
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
@@ -182,12 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _run_once(args: argparse.Namespace, size: int, restart: int) -> int:
-    try:
-        rank_main = _rank_main(args, size, restart)
-    except SyntaxError as e:
-        traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
-        return 1
+def _run_once(args: argparse.Namespace, rank_main: Callable[[int], None], size: int) -> int:
     world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.script}")
     started = time.time()
     _torch.prepare_for_rank_threads()
