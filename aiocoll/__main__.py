@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         from aiocoll._run import main as run_main
 
-        return run_main(argv[1:])
+        return run_main(argv[1:], exit_when_interrupted=True)
     parser = argparse.ArgumentParser(
         prog="python -m aiocoll",
         description=__doc__,

@@ -194,6 +194,19 @@ _here = _Here()
 _process_state = _procstate.ProcessState()
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a running rank is: its stack from its own code in (innermost last), and what it does."""
+
+    rank: int
+    stack: traceback.StackSummary | list[traceback.FrameSummary]
+    state: str  # "running", "waiting in all_reduce", ...
+
+    def in_code(self, files: Callable[[str], bool]) -> traceback.FrameSummary | None:
+        """The innermost frame in a file ``files`` accepts (the user's script), if any."""
+        return next((f for f in reversed(self.stack) if files(f.filename)), None)
+
+
 @dataclass
 class WorldEnd:
     """How a test's world ended."""
@@ -240,6 +253,8 @@ class InProcessWorld:
         self._started = 0.0
         self._entered = False  # the process-wide patches are in force for this world
         self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
+        self.grace = GRACE  # seconds ranks get to wind down once cancelled, before they are left behind
+        self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted
 
     def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
         """Run the world to its end; past ``deadline`` it is cancelled, and what does not end is left behind.
@@ -255,6 +270,8 @@ class InProcessWorld:
         try:
             finished = self.wait(self.deadline)
         except BaseException:  # ^C: take the ranks down, as far as threads can be
+            with contextlib.suppress(Exception):  # (a report's detail: never in the way of ending)
+                self.interrupted_at = self.places()
             self.end()
             raise
         return self.end(timed_out=not finished)
@@ -296,7 +313,7 @@ class InProcessWorld:
                 if timed_out:
                     busy = self._busy(wt)  # before cancelling: where they were when time ran out
                 wt.cancel()
-                if not wt.wait(GRACE):
+                if not wt.wait(self.grace):
                     left = sorted(wt.rank_frames())
         finally:
             if self._entered:  # (end() may be called again: after a ^C, say)
@@ -345,6 +362,23 @@ class InProcessWorld:
                     _here.world = None
 
         await WorldRun(rank_fn, WorldConfig(self.size, timeout=self.collective_timeout, c10d="state")).run()
+
+    def places(self) -> dict[int, RankPlace]:
+        """Where each rank still running is now: its stack from its own code in, and its state."""
+        assert self._wt is not None
+        stacks = {r: _outside_aiocoll(traceback.extract_stack(f)) for r, f in self._wt.rank_frames().items()}
+        try:
+            stats = {r.rank: r for r in self._engine.statistics().ranks}
+        except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
+            stats = {}
+        out = {}
+        for r, stack in sorted(stacks.items()):
+            st = stats.get(r)
+            state = "running" if st is None else st.state
+            if st is not None and st.state == "blocked" and st.waiting:
+                state = f"waiting in {', '.join(st.waiting)}"
+            out[r] = RankPlace(r, stack, state)
+        return out
 
     def _busy(self, wt: WorldThread[Any]) -> dict[int, str]:
         """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""
