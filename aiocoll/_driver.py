@@ -35,9 +35,23 @@ from ._turns import SameCpu, StallWatch, Turns
 if TYPE_CHECKING:
     from ._hybrid import HybridWorld
 
-__all__ = ["WorldRun", "is_async"]
+__all__ = ["RankThread", "WorldRun", "is_async"]
 
 T = TypeVar("T")
+
+
+class RankThread(threading.Thread):
+    """A sync rank's thread, knowing its rank and the world loop's thread that started it.
+
+    Worlds may nest (a rank of ``aiocoll run`` calling ``torch.multiprocessing.spawn``):
+    ``loop`` tells one world's rank threads from another's.
+    """
+
+    def __init__(self, rank: int, target: Callable[[], None]) -> None:
+        # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
+        super().__init__(target=target, name=f"aiocoll rank {rank}", daemon=True)
+        self.rank = rank
+        self.loop = threading.current_thread()
 
 
 class WorldRun:
@@ -298,8 +312,7 @@ class WorldRun:
             else:
                 w.call_soon_threadsafe(done, ok, value)
 
-        # daemon: a rank stuck in user code must not keep the interpreter alive after ^C
-        thread = threading.Thread(target=main, name=f"aiocoll rank {st.rank}", daemon=True)
+        thread = RankThread(st.rank, main)
         self._threads.append(thread)
         thread.start()
         return fut

@@ -17,6 +17,7 @@ added to the failure.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -69,6 +70,8 @@ TERMINATED = -int(signal.SIGTERM)
 GRACE = 5.0
 _OWN_DIR = os.path.dirname(__file__)
 _THREADING = threading.__file__
+# where the frames that start a rank come from: aiocoll's, asyncio's, the thread's, uvloop's
+_STARTERS = (_OWN_DIR, os.path.dirname(asyncio.__file__) + os.sep, _THREADING, "uvloop")
 # a pausing rank looks this often whether its world was aborted
 PAUSE_SLICE = 0.05
 # backends whose groups become aiocoll groups in a harness rank (any device's, in "cpu:gloo,cuda:nccl")
@@ -443,6 +446,13 @@ def _raise_if_aborted(world: Any) -> None:
         err = WorldAbortedError(str(aborted), rank=aborted.rank)
         err.__cause__ = aborted.__cause__
         raise err
+
+
+def from_rank_code(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from the rank's own code in, as its process's traceback would start (None: no such frame)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_STARTERS):
+        tb = tb.tb_next
+    return tb
 
 
 def _outside_aiocoll(stack: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:

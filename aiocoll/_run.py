@@ -8,15 +8,15 @@ globals), reads torchrun's environment in ``os.environ`` (``RANK``, ``LOCAL_RANK
 take turns on one thread at a time (sync ranks: per-rank random generators and environment),
 and a mismatch, a deadlock or a rank that left is reported at once.
 
-The first version of the command: ``--nnodes`` above 1 and options that only make sense
-with several processes are refused with the reason; scripts that start their own ranks
-(``torch.multiprocessing.spawn``) are not yet run as aiocoll ranks.
+Scripts that start their own ranks (``torch.multiprocessing.spawn``, PyTorch's DDP tutorial)
+run with ``aiocoll run script.py``: the ranks they spawn are aiocoll ranks (``_mpspawn``).
+``--nnodes`` above 1 and options that only make sense with several processes are refused
+with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import builtins
 import contextlib
 import os
@@ -30,22 +30,16 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from types import CodeType
 
-from . import _harness, _torch
+from . import _harness, _mpspawn, _torch
 from ._config import DEFAULT_TIMEOUT
 
 __all__ = ["main", "parser", "worker_env"]
 
-# where the frames a rank's traceback starts with come from: aiocoll's, asyncio's, the thread's
-_NOT_THE_SCRIPTS = (
+# files that are not the user's: aiocoll's, the standard library's and installed packages' (torch's)
+_NOT_USERS = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep,
-    os.path.abspath(threading.__file__),
-    "uvloop",
-)
-
-# files that are not the user's: the standard library's and installed packages' (torch's)
-_LIBRARIES = tuple(
-    sorted({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    *sorted({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}),
+    "<frozen ",
 )
 
 # seconds ranks get to wind down after ^C or SIGTERM before the run ends without them (threads
@@ -219,9 +213,9 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
         traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
         return 1
     try:
-        with _sigterm_interrupts():
+        with _sigterm_interrupts(), _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned:
             for restart in range(args.max_restarts + 1):
-                code = _run_once(args, _rank_main(args, script_code, size, restart), size)
+                code = _run_once(args, _rank_main(args, script_code, size, restart), size, spawned)
                 if code is None:  # interrupted: no restart; 1 as torchrun's
                     if exit_when_interrupted:
                         sys.stdout.flush()
@@ -236,7 +230,9 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _run_once(args: argparse.Namespace, rank_main: Callable[[int], None], size: int) -> int | None:
+def _run_once(
+    args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
+) -> int | None:
     """One run of the world: its exit code, or None if a signal interrupted it."""
     world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.script}")
     world.grace = _WIND_DOWN
@@ -248,6 +244,12 @@ def _run_once(args: argparse.Namespace, rank_main: Callable[[int], None], size: 
         except (KeyboardInterrupt, _Signalled) as e:
             signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
             _report_interrupted(signal.Signals(signum), world.interrupted_at, size)
+            for inner in spawned.running():  # the ranks the script started with torch.multiprocessing
+                with contextlib.suppress(Exception):
+                    print(f"  {inner.name}:", file=sys.stderr)
+                    _report_places(inner.places(), inner.size, "    ")
+                inner.grace = _WIND_DOWN
+                inner.end()
             return None
     if end.needs_process is not None:
         print(
@@ -267,9 +269,7 @@ def _report(error: BaseException, size: int, started: float) -> None:
     print("=" * 60, file=sys.stderr)
     print(f"aiocoll run: FAILED (a world of {size} ranks, after {time.time() - started:.1f} s)", file=sys.stderr)
     print(f"Root Cause (first observed failure): exitcode {code}", file=sys.stderr)
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_NOT_THE_SCRIPTS):
-        tb = tb.tb_next  # from the script's frame in, as a process's traceback starts there
+    tb = _harness.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
     with contextlib.suppress(Exception):
         traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
     print("=" * 60, file=sys.stderr)
@@ -277,18 +277,22 @@ def _report(error: BaseException, size: int, started: float) -> None:
 
 def _users(filename: str) -> bool:
     """Whether ``filename`` is the user's code: not aiocoll's, the standard library's or a package's."""
-    return not filename.startswith((*_NOT_THE_SCRIPTS, *_LIBRARIES)) and not filename.startswith("<frozen ")
+    return not filename.startswith(_NOT_USERS)
 
 
 def _report_interrupted(sig: signal.Signals, places: dict[int, _harness.RankPlace], size: int) -> None:
     """Where each rank was when the signal came: file:line in the user's code, and what it was doing."""
     print(f"aiocoll run: got signal {sig.name}: the run ends (exit code 1, as torchrun's)", file=sys.stderr)
+    _report_places(places, size, "  ")
+
+
+def _report_places(places: dict[int, _harness.RankPlace], size: int, indent: str) -> None:
     for rank in range(size):
         place = places.get(rank)
         if place is None:
-            print(f"  rank {rank}: not running (done, or not started)", file=sys.stderr)
+            print(f"{indent}rank {rank}: not running (done, or not started)", file=sys.stderr)
             continue
         frame = place.in_code(_users)
         at = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else "outside the script"
         line = f": {frame.line.strip()}" if frame is not None and frame.line else ""
-        print(f"  rank {rank}: {place.state} at {at}{line}", file=sys.stderr)
+        print(f"{indent}rank {rank}: {place.state} at {at}{line}", file=sys.stderr)

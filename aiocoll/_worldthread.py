@@ -19,13 +19,11 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from ._config import LoopChoice, loop_factory
+from ._driver import RankThread
 
 __all__ = ["WorldThread"]
 
 T = TypeVar("T")
-
-_RANK_THREAD = "aiocoll rank "  # how spawn names its rank threads: "aiocoll rank 3"
-
 
 _SLICE = 0.2  # seconds: how soon a ^C is seen while the caller waits for the world
 
@@ -52,12 +50,10 @@ class WorldThread(Generic[T]):
         self._task: asyncio.Task[T] | None = None
         self._value: T | None = None
         self._error: BaseException | None = None
-        self._before: set[threading.Thread] = set()
+        self._thread = threading.Thread(target=self._run, name="aiocoll world loop", daemon=True)
 
     def start(self) -> None:
-        # threads alive now are not the world's: its rank threads are found among the others
-        self._before = set(threading.enumerate())
-        threading.Thread(target=self._run, name="aiocoll world loop", daemon=True).start()
+        self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether the world has ended, after waiting up to ``timeout`` seconds.
@@ -99,12 +95,11 @@ class WorldThread(Generic[T]):
         frames = sys._current_frames()
         out: dict[int, FrameType] = {}
         for t in threading.enumerate():
-            if t in self._before or not t.is_alive() or not t.name.startswith(_RANK_THREAD):
-                continue
-            rank = t.name[len(_RANK_THREAD) :]
-            frame = frames.get(t.ident or -1)
-            if rank.isdigit() and frame is not None:
-                out[int(rank)] = frame
+            # (not those of a world started inside one of these ranks: its loop is another thread)
+            if isinstance(t, RankThread) and t.loop is self._thread and t.is_alive():
+                frame = frames.get(t.ident or -1)
+                if frame is not None:
+                    out[t.rank] = frame
         return out
 
     def _run(self) -> None:

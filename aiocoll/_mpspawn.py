@@ -1,0 +1,163 @@
+"""``torch.multiprocessing.spawn`` inside ``aiocoll run``: the processes a script starts become aiocoll ranks.
+
+PyTorch's DDP tutorial starts its ranks itself::
+
+    def main(rank, world_size):
+        os.environ["MASTER_ADDR"] = "localhost"; os.environ["MASTER_PORT"] = "12355"
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        ...
+
+    if __name__ == "__main__":
+        mp.spawn(main, args=(4,), nprocs=4, join=True)
+
+Under ``aiocoll run script.py`` the call starts a world of ``nprocs`` sync ranks instead of
+processes: rank ``i`` runs ``fn(i, *args)`` with the caller's environment (as a child process
+inherits it), and the call ends as torch's does — ``None`` when every rank returned, or
+``ProcessRaisedException`` / ``ProcessExitedException`` naming the first rank that failed, with
+its traceback (and aiocoll's report of a mismatch or a deadlock, which processes would not
+give). ``start_processes`` too; ``join=False`` returns a context whose ``join()`` waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+from . import _harness, _outcome
+
+__all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
+
+
+class SpawnedContext:
+    """What ``mp.spawn(..., join=False)`` returns here: ``join()`` as torch's ``ProcessContext``'s."""
+
+    def __init__(self, world: _harness.InProcessWorld, failures: list[tuple[int, BaseException]]) -> None:
+        self._world = world
+        self._failures = failures
+        self._joined = False
+
+    def pids(self) -> list[int]:
+        """Every rank's "process" is this one."""
+        return [os.getpid()] * self._world.size
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Whether every rank has ended (``timeout``: seconds to wait; None, until then).
+
+        Raises as torch's does when a rank failed: ``ProcessRaisedException`` for an
+        exception, ``ProcessExitedException`` for a non-zero ``sys.exit``.
+        """
+        if self._joined:
+            return True
+        if not self._world.wait(timeout):
+            return False
+        end = self._world.end()
+        self._joined = True
+        _raise_first_failure(self._failures, end.error, os.getpid())
+        return True
+
+    def __repr__(self) -> str:
+        return f"<SpawnedContext ranks={self._world.size} {'joined' if self._joined else 'running'}>"
+
+
+def _raise_first_failure(failures: list[tuple[int, BaseException]], error: BaseException | None, pid: int) -> None:
+    """torch's exception for the first rank that failed on its own (not because another did)."""
+    if not failures and error is None:
+        return
+    rank, e = failures[0] if failures else (getattr(error, "rank", 0) or 0, error)
+    assert e is not None
+    if isinstance(e, SystemExit):
+        code = e.code if isinstance(e.code, int) else 1
+        raise ProcessExitedException(f"process {rank:d} terminated with exit code {code:d}", rank, pid, code)
+    tb = _harness.from_rank_code(e.__traceback__) or e.__traceback__  # (as the child's traceback starts)
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    msg = f"\n\n-- Process {rank:d} terminated with the following error:\n{text}"
+    raise ProcessRaisedException(msg, rank, pid)
+
+
+class Starter:
+    """Starts the worlds that ``spawn``/``start_processes`` calls ask for, with the run's settings."""
+
+    def __init__(self, timeout: float | None, deadline: float) -> None:
+        self.timeout = timeout
+        self.deadline = deadline
+        self.worlds: list[_harness.InProcessWorld] = []  # those started, for a report of where they were
+
+    def running(self) -> list[_harness.InProcessWorld]:
+        """The worlds started here that have not ended yet."""
+        return [w for w in self.worlds if not w.ended]
+
+    def start_processes(
+        self,
+        fn: Callable[..., object],
+        args: tuple[Any, ...] = (),
+        nprocs: int = 1,
+        join: bool = True,
+        daemon: bool = False,
+        start_method: str = "spawn",
+    ) -> SpawnedContext | None:
+        if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+            raise ValueError(f"torch.multiprocessing.spawn: nprocs must be a positive int, got {nprocs!r}")
+        if not callable(fn):
+            raise TypeError(f"torch.multiprocessing.spawn: fn must be callable, got {type(fn).__name__}")
+        failures: list[tuple[int, BaseException]] = []
+        name = getattr(fn, "__qualname__", repr(fn))
+
+        def rank_main(rank: int) -> None:
+            try:
+                fn(rank, *args)
+            except KeyboardInterrupt:
+                pass  # as torch's child does
+            except BaseException as e:
+                if isinstance(e, SystemExit) and e.code in (0, None):
+                    return  # exit(0): this rank is done, as its process would be
+                if not _outcome.echoes_abort(e):
+                    failures.append((rank, e))
+                raise
+
+        world = _harness.InProcessWorld(nprocs, self.timeout, self.deadline, f"torch.multiprocessing.spawn({name})")
+        world.start(rank_main)
+        self.worlds.append(world)
+        context = SpawnedContext(world, failures)
+        if not join:
+            return context
+        try:
+            context.join()
+        except BaseException:
+            world.end()  # (an interrupted join: take the ranks down; ends again are harmless)
+            raise
+        return None
+
+    def spawn(
+        self,
+        fn: Callable[..., object],
+        args: tuple[Any, ...] = (),
+        nprocs: int = 1,
+        join: bool = True,
+        daemon: bool = False,
+        start_method: str = "spawn",
+    ) -> SpawnedContext | None:
+        return self.start_processes(fn, args, nprocs, join, daemon, start_method)
+
+
+_SPAWNERS = ("spawn", "start_processes")
+
+
+@contextlib.contextmanager
+def spawned_ranks(timeout: float | None, deadline: float) -> Iterator[Starter]:
+    """While the block runs, ``torch.multiprocessing.spawn`` and ``start_processes`` start aiocoll ranks."""
+    starter = Starter(timeout, deadline)
+    # (torch.multiprocessing's public names, though its stubs do not re-export them)
+    saved = {name: getattr(mp, name) for name in _SPAWNERS}
+    for name in _SPAWNERS:
+        setattr(mp, name, getattr(starter, name))
+    try:
+        yield starter
+    finally:
+        for name, fn in saved.items():
+            setattr(mp, name, fn)
