@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -36,24 +36,27 @@ import torch.distributed.distributed_c10d
 from ._errors import TorchCompatError
 
 if TYPE_CHECKING:
-    # c10d's option structs and stores, for annotations (``torch.distributed`` does not
-    # re-export them all); the classes themselves are looked up in ``options`` below
-    from torch._C._distributed_c10d import (
-        AllgatherOptions,
-        AllreduceOptions,
-        AllToAllOptions,
-        Backend,
-        BarrierOptions,
-        BroadcastOptions,
-        GatherOptions,
-        ReduceOptions,
-        ReduceScatterOptions,
-        ScatterOptions,
-        Store,
-    )
-    from torch.distributed.device_mesh import DeviceMesh
+    # c10d's option structs and stores, for annotations here and in the rest of aiocoll
+    # (``torch.distributed`` does not re-export them all); the classes themselves are
+    # looked up in ``options`` below
+    from torch._C._distributed_c10d import AllgatherOptions as AllgatherOptions
+    from torch._C._distributed_c10d import AllreduceOptions as AllreduceOptions
+    from torch._C._distributed_c10d import AllToAllOptions as AllToAllOptions
+    from torch._C._distributed_c10d import Backend as Backend
+    from torch._C._distributed_c10d import BarrierOptions as BarrierOptions
+    from torch._C._distributed_c10d import BroadcastOptions as BroadcastOptions
+    from torch._C._distributed_c10d import GatherOptions as GatherOptions
+    from torch._C._distributed_c10d import ReduceOptions as ReduceOptions
+    from torch._C._distributed_c10d import ReduceScatterOptions as ReduceScatterOptions
+    from torch._C._distributed_c10d import ScatterOptions as ScatterOptions
+    from torch._C._distributed_c10d import Store as Store
+    from torch._C._distributed_c10d import _DistributedBackendOptions
+    from torch.distributed.device_mesh import DeviceMesh as DeviceMesh
     from torch.testing._internal.common_distributed import MultiProcContinuousTest, MultiProcessTestCase
     from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
+
+    # what c10d hands a backend's creator (the extended API)
+    DistributedBackendOptions: TypeAlias = _DistributedBackendOptions
 
 # typed as Any: their stubs differ from release to release, and every use is checked here
 _c10d: Any = torch.distributed.distributed_c10d
