@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Generator, Sequence
 from datetime import timedelta
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,26 @@ from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from ._work import Site, Work
+
+if TYPE_CHECKING:
+    from ._torch import (
+        AllgatherOptions,
+        AllreduceOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        DeviceMesh,
+        DistributedBackendOptions,
+        GatherOptions,
+        ReduceOptions,
+        ReduceScatterOptions,
+        ScatterOptions,
+        Store,
+    )
+
+T = TypeVar("T")
+# what an AiocollWork's result and future carry, as gloo's: the tensors the op wrote
+Tensors = list[torch.Tensor] | list[list[torch.Tensor]]
 
 __all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "belong", "register", "release", "settle"]
 
@@ -89,7 +109,7 @@ def _base_name(name: str) -> str:
     return name.split(_SUFFIX, 1)[0]
 
 
-def _mesh_made(mesh: Any) -> int | None:
+def _mesh_made(mesh: DeviceMesh) -> int | None:
     """A mesh was built: it belongs to the calling rank's world; its identity is the rank's."""
     st = current_rank_state()
     if st is None:
@@ -99,7 +119,7 @@ def _mesh_made(mesh: Any) -> int | None:
     return id(st)
 
 
-def _store_made(store: Any) -> None:
+def _store_made(store: Store) -> None:
     st = current_rank_state()
     if st is not None:
         belong(st.world, "store", store)
@@ -144,12 +164,12 @@ class AiocollWork(dist.Work):
     the works were issued by a rank thread of a world whose ranks take turns.
     """
 
-    def __init__(self, works: Sequence[Work], value: Any, hand_over: bool = False) -> None:
+    def __init__(self, works: Sequence[Work], value: Tensors, hand_over: bool = False) -> None:
         super().__init__()
         self._works = list(works)
         self._value = value
         self._hand_over = hand_over
-        self._future: torch.futures.Future[Any] | None = None
+        self._future: torch.futures.Future[object] | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         secs = None if timeout is None or timeout == timedelta(0) else timeout.total_seconds()
@@ -173,7 +193,7 @@ class AiocollWork(dist.Work):
         self.wait()
         return self._value
 
-    def get_future(self) -> torch.futures.Future[Any]:
+    def get_future(self) -> torch.futures.Future[object]:
         if self._future is None:
             if self._hand_over:
                 # Ranks take turns, and C++ callers (DDP's reducer) block on the future
@@ -198,7 +218,7 @@ class AiocollWork(dist.Work):
     def source_rank(self) -> int:
         return self._source_rank()
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[object, None, Tensors]:
         for w in self._works:
             yield from w.__await__()
         return self._value
@@ -207,7 +227,7 @@ class AiocollWork(dist.Work):
         return f"<AiocollWork {self._works!r}>"
 
 
-def _all_ok(f: torch.futures.Future[Any], value: Any) -> Any:
+def _all_ok(f: torch.futures.Future[list[torch.futures.Future[object]]], value: Tensors) -> Tensors:
     for sub in f.value():
         sub.value()  # raises the first error
     return value
@@ -244,7 +264,7 @@ def _skipped(code: CodeType) -> bool:
     return False
 
 
-def _one(op: str, tensors: Sequence[Any]) -> Any:
+def _one(op: str, tensors: Sequence[T]) -> T:
     if len(tensors) != 1:
         raise InvalidArgumentError(f"{op}: the aiocoll backend takes one tensor per call, got {len(tensors)}")
     return tensors[0]
@@ -293,7 +313,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return self._reported
 
-    def report_backend(self, asked: Any) -> None:
+    def report_backend(self, asked: object) -> None:
         """Name ``asked`` (the backend this group stands in for) in ``pg.name()``, as in processes.
 
         A group asked for gloo answers ``"gloo"``. A composite ``"cpu:gloo,cuda:nccl"``
@@ -304,7 +324,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
             self._reported = name
 
     @staticmethod
-    def create_device(*args: Any, **kwargs: Any) -> Any:
+    def create_device(*args: object, **kwargs: object) -> dist.ProcessGroupGloo.Device:
         """gloo's ``create_device``, for code that asks its backend (aiocoll's collectives use no device)."""
         if not dist.is_gloo_available():
             raise AiocollError("create_device: gloo is not available in this build of torch")
@@ -313,7 +333,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"<AiocollProcessGroup {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
 
-    def _check(self, op: str, opts: Any) -> None:
+    def _check(self, op: str, opts: object) -> None:
         me = current_rank_state()
         owner = self._owner
         if me is not owner:
@@ -330,7 +350,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
                 f"{op}(..., async_op=True)' or 'await comm.{op}(...)'"
             )
 
-    def _work(self, works: Sequence[Work], value: Any) -> AiocollWork:
+    def _work(self, works: Sequence[Work], value: Tensors) -> AiocollWork:
         if self._on_loop:
             # functional collectives hide their Work from Python: keep them for settle()
             issued = self._owner.issued
@@ -340,8 +360,10 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return AiocollWork(works, value, self._hand_over)
 
     # collectives -- c10d hands group-local ranks and tensor lists
+    # (torch's stubs overload most of them with pybind's second form, for direct calls with
+    # a tensor and a timeout, which this group does not take: hence the ignore[override])
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> AiocollWork:  # type: ignore[override]
         self._check("all_reduce", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         t = _one("all_reduce", tensors)
@@ -350,11 +372,11 @@ class AiocollProcessGroup(dist.ProcessGroup):
             raise _procstate.NeedsProcess(rank, "reduced a sparse tensor (aiocoll has no sparse collectives)")
         return self._work([self._comm.all_reduce(_u(t), op)], tensors)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiocollWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> AiocollWork:
         self._check("all_reduce_coalesced", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         # gloo reduces one flat copy of the list: a tensor listed twice is reduced once
-        seen: set[tuple[Any, ...]] = set()
+        seen: set[tuple[object, ...]] = set()
         unique = []
         for t in _us(tensors):
             key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
@@ -363,23 +385,25 @@ class AiocollProcessGroup(dist.ProcessGroup):
                 unique.append(t)
         return self._work([self._comm.all_reduce(t, op) for t in unique], tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> AiocollWork:  # type: ignore[override]
         self._check("broadcast", opts)
         return self._work([self._comm.broadcast(_u(_one("broadcast", tensors)), opts.rootRank)], tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> AiocollWork:  # type: ignore[override]
         self._check("reduce", opts)
         t = _u(_one("reduce", tensors))
         return self._work([self._comm.reduce(t, opts.rootRank, opts.reduceOp)], tensors)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+    def allgather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
+    ) -> AiocollWork:
         self._check("all_gather", opts)
         outs = _one("all_gather", outputs)
         w = self._comm.all_gather(_us(outs), _u(_one("all_gather", inputs)))
         return self._work([w], outs)  # the future's value, as gloo's: the flat list
 
     def allgather_coalesced(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
     ) -> AiocollWork:
         self._check("all_gather_coalesced", opts)
         # outputs[rank][i] receives input i of that rank
@@ -391,19 +415,21 @@ class AiocollProcessGroup(dist.ProcessGroup):
         works = [self._comm.all_gather([o[i].data for o in outputs], x.data) for i, x in enumerate(inputs)]
         return self._work(works, outputs)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> AiocollWork:
         self._check("all_gather_into_tensor", opts)
         w = self._comm.all_gather_into_tensor(_u(output), _u(input))
         return self._work([w], list(output.chunk(self._comm.world_size)))  # gloo's future value
 
     def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
     ) -> AiocollWork:
         self._check("all_gather_into_tensor", opts)
         works = [self._comm.all_gather_into_tensor(o.data, i.data) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(works, outputs)
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> AiocollWork:  # type: ignore[override]
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions) -> AiocollWork:  # type: ignore[override]
         self._check("gather", opts)
         gather_list = outputs[0] if outputs else None
         w = self._comm.gather(
@@ -411,7 +437,9 @@ class AiocollProcessGroup(dist.ProcessGroup):
         )
         return self._work([w], gather_list if gather_list is not None else [])
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> AiocollWork:  # type: ignore[override]
+    def scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> AiocollWork:
         self._check("scatter", opts)
         scatter_list = inputs[0] if inputs else None
         out = _u(_one("scatter", outputs))
@@ -419,37 +447,41 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return self._work([w], outputs)
 
     def reduce_scatter(  # type: ignore[override]
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions | None = None
     ) -> AiocollWork:
         self._check("reduce_scatter", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         w = self._comm.reduce_scatter(_u(_one("reduce_scatter", outputs)), _us(_one("reduce_scatter", inputs)), op)
         return self._work([w], outputs)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
+    ) -> AiocollWork:
         self._check("reduce_scatter_tensor", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._work([self._comm.reduce_scatter_tensor(_u(output), _u(input), op)], [output])
 
     def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions | None = None
     ) -> AiocollWork:
         self._check("reduce_scatter_tensor", opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         works = [self._comm.reduce_scatter_tensor(o.data, i.data, op) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(works, outputs)
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> AiocollWork:
+    def alltoall(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllToAllOptions | None = None
+    ) -> AiocollWork:
         self._check("all_to_all", opts)
         return self._work([self._comm.all_to_all(_us(outputs), _us(inputs))], outputs)
 
-    def all_to_all_single(
+    def all_to_all_single(  # type: ignore[override]
         self,
         output: torch.Tensor,
         input: torch.Tensor,
         output_split_sizes: list[int] | None,
         input_split_sizes: list[int] | None,
-        opts: Any = None,
+        opts: AllToAllOptions | None = None,
     ) -> AiocollWork:
         self._check("all_to_all_single", opts)
         if not (output.is_contiguous() and input.is_contiguous()):
@@ -457,11 +489,11 @@ class AiocollProcessGroup(dist.ProcessGroup):
         w = self._comm.all_to_all_single(_u(output), _u(input), output_split_sizes, input_split_sizes)
         return self._work([w], [output])
 
-    def barrier(self, opts: Any = None) -> AiocollWork:
+    def barrier(self, opts: BarrierOptions | None = None) -> AiocollWork:  # type: ignore[override]
         self._check("barrier", opts)
         return self._work([self._comm.barrier()], [])
 
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """gloo's ``monitored_barrier``: a barrier, waited for (a rank that never comes is reported by the engine)."""
         self.barrier().wait()
 
@@ -480,7 +512,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return self._work([self._comm.recv(_u(_one("recv", tensors)), None, tag)], tensors)
 
 
-def _create_process_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup:
+def _create_process_group(opts: DistributedBackendOptions, backend_options: object = None) -> AiocollProcessGroup:
     """The creator torch.distributed calls for backend "aiocoll" (extended API)."""
     st = current_rank_state()
     if st is None:
@@ -553,7 +585,7 @@ class RankSession:
     multi-process test harness, run in-process by ``aiocoll.testing``).
     """
 
-    def __init__(self, st: RankState, store: Any, init: bool = True) -> None:
+    def __init__(self, st: RankState, store: Store, init: bool = True) -> None:
         self.st = st
         self.state = _torch.C10dState()
         self.store = store

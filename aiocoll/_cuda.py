@@ -27,7 +27,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["POLL_CAP", "POLL_FIRST", "Issue", "issue", "run_cuda", "stream_wait", "watch"]
 
 T = TypeVar("T")
+CallT = TypeVar("CallT", bound="Call")
 
 # The first poll runs on the next loop turn; then the delay doubles from POLL_FIRST up to
 # POLL_CAP. A short op completes within a few polls; a long one costs at most one query
@@ -61,7 +62,7 @@ class _Torch:
     """Every CUDA call the orchestration makes; tests replace ``_hw`` with a fake."""
 
     def __init__(self) -> None:
-        self._sides: dict[torch.device, Any] = {}
+        self._sides: dict[torch.device, torch.cuda.Stream] = {}
 
     def active(self) -> bool:
         # no CUDA tensor can exist before CUDA is initialised: the fast path on CPU runs
@@ -70,14 +71,14 @@ class _Torch:
     def device_of(self, t: torch.Tensor) -> torch.device:
         return t.device
 
-    def event(self) -> Any:
+    def event(self) -> torch.cuda.Event:
         # no timing: cheaper to record; blocking_sync is moot as nobody synchronises on it
         return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
-    def current_stream(self, device: torch.device) -> Any:
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
 
-    def side_stream(self, device: torch.device) -> Any:
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         # One per device for the process: ops run one at a time in issue order, so a
         # single stream keeps them ordered on the device too.
         s = self._sides.get(device)
@@ -85,10 +86,10 @@ class _Torch:
             s = self._sides.setdefault(device, torch.cuda.Stream(device))  # type: ignore[no-untyped-call]
         return s
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(stream)
 
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+    def record_stream(self, t: torch.Tensor, stream: torch.cuda.Stream) -> None:
         t.record_stream(stream)
 
     def stage(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,7 +103,7 @@ class _Torch:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
-_hw: Any = _Torch()
+_hw = _Torch()  # (the tests' fakes stand in for it)
 
 
 # -- issue ------------------------------------------------------------------------------
@@ -114,9 +115,9 @@ class Issue:
 
     device: torch.device
     """The rank's CUDA device: the one whose current stream ``stream_wait`` orders."""
-    ready: list[Any]
+    ready: list[torch.cuda.Event]
     """Events on the rank's current stream(s) when it called; dropped once the op waits on them."""
-    done: Any = None
+    done: torch.cuda.Event | None = None
     """The op's completion event, once the op is enqueued."""
 
 
@@ -154,13 +155,13 @@ def stream_wait(iss: Issue) -> None:
 
 def run_cuda(
     loop: asyncio.AbstractEventLoop,
-    run: Callable[[Sequence[Any]], list[Any]],
-    calls: Sequence[Any],
+    run: Callable[[Sequence[Call]], list[object]],
+    calls: Sequence[Call],
     issues: Sequence[Issue | None],
     *,
     first: float = POLL_FIRST,
     cap: float = POLL_CAP,
-) -> asyncio.Future[list[Any]]:
+) -> asyncio.Future[list[object]]:
     """Enqueue ``run(calls)`` on a side stream; the future completes on ``loop`` when it has run.
 
     ``issues`` are the ranks' :func:`issue` records (None for a rank without CUDA
@@ -170,7 +171,7 @@ def run_cuda(
     try:
         done, finish = _enqueue(run, calls, issues)
     except Exception as e:
-        fut: asyncio.Future[list[Any]] = loop.create_future()
+        fut: asyncio.Future[list[object]] = loop.create_future()
         fut.set_exception(e)
         return fut
     for iss in issues:
@@ -182,8 +183,8 @@ def run_cuda(
 
 @torch.no_grad()
 def _enqueue(
-    run: Callable[[Sequence[Any]], list[Any]], calls: Sequence[Any], issues: Sequence[Issue | None]
-) -> tuple[Any, Callable[[], list[Any]]]:
+    run: Callable[[Sequence[Call]], list[object]], calls: Sequence[Call], issues: Sequence[Issue | None]
+) -> tuple[torch.cuda.Event, Callable[[], list[object]]]:
     """Enqueue the op; return its ``done`` event and what to call on the loop once it is done."""
     hw = _hw
     where = [hw.device_of(t) for c in calls for t in tensors_of(c)]
@@ -219,7 +220,7 @@ def _enqueue(
         done.record(s)
 
     @torch.no_grad()
-    def finish() -> list[Any]:
+    def finish() -> list[object]:
         for orig, buf in host:
             orig.copy_(buf)
         return results
@@ -228,11 +229,11 @@ def _enqueue(
 
 
 def _run_staged(
-    run: Callable[[Sequence[Any]], list[Any]],
-    calls: Sequence[Any],
+    run: Callable[[Sequence[Call]], list[object]],
+    calls: Sequence[Call],
     op_dev: torch.device,
-    sides: dict[torch.device, Any],
-) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    sides: dict[torch.device, torch.cuda.Stream],
+) -> tuple[list[object], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run an op whose ranks' tensors sit on several devices (or the host) on ``op_dev``.
 
     torch's reductions need their inputs on one device: tensors elsewhere are copied to
@@ -273,7 +274,7 @@ def _run_staged(
     return results, host
 
 
-def _with_tensors(call: Call, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _with_tensors(call: CallT, fn: Callable[[torch.Tensor], torch.Tensor]) -> CallT:
     """A shallow copy of ``call`` with ``fn`` applied to each of its tensors."""
     new = copy.copy(call)
     for f in dataclasses.fields(new):
@@ -288,7 +289,7 @@ def _with_tensors(call: Call, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any
 # -- complete ---------------------------------------------------------------------------
 
 
-class _Watch:
+class _Watch(Generic[T]):
     """Polls an event from the loop with backoff; completes ``fut`` with ``then()`` when it fires."""
 
     __slots__ = ("cap", "delay", "event", "fut", "loop", "polls", "then")
@@ -297,8 +298,8 @@ class _Watch:
         self,
         loop: asyncio.AbstractEventLoop,
         event: Query,
-        then: Callable[[], Any],
-        fut: asyncio.Future[Any],
+        then: Callable[[], T],
+        fut: asyncio.Future[T],
         first: float,
         cap: float,
     ) -> None:
@@ -317,7 +318,8 @@ class _Watch:
         self.polls += 1
         try:
             fired = self.event.query()  # raises on a CUDA error in the op
-            value = self.then() if fired else None
+            if fired:
+                value = self.then()
         except Exception as e:
             fut.set_exception(e)
             return

@@ -70,13 +70,13 @@ class WorldRun:
     [0, 10, 20]
     """
 
-    def __init__(self, fn: Callable[[Comm], Any], config: WorldConfig) -> None:
+    def __init__(self, fn: Callable[[Comm], object], config: WorldConfig) -> None:
         if not callable(fn):
             raise InvalidArgumentError(f"spawn: argument 'fn' must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.config = config
         self.is_async = is_async(fn)
-        self.runners: list[asyncio.Future[Any]] = []  # one per local rank, in rank order
+        self.runners: list[asyncio.Future[object]] = []  # one per local rank, in rank order
         self._threads: list[threading.Thread] = []
         self._outcome: Outcome | None = None
         # made by _build
@@ -89,7 +89,7 @@ class WorldRun:
         kind = "async" if self.is_async else "sync"
         return f"<WorldRun of {getattr(self.fn, '__qualname__', self.fn)!r} ({kind} ranks), {self.config!r}>"
 
-    async def run(self) -> list[Any]:
+    async def run(self) -> list[object]:
         """Run every rank to its end; their results in rank order, or the report of the first failure."""
         if self._outcome is not None:
             raise RuntimeError(f"{self!r} has run already: a WorldRun runs once")
@@ -212,14 +212,14 @@ class WorldRun:
             pending = [r for r in pending if not r.done()] + w.tasks.cancel("spawn was cancelled")
         self._retrieve()
 
-    def _start_tasks(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[Any]]:
-        fn = cast(Callable[[Comm], Coroutine[Any, Any, Any]], self.fn)
+    def _start_tasks(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[object]]:
+        fn = cast(Callable[[Comm], Coroutine[object, object, object]], self.fn)
         coros = {st.rank: self._task_main(w, st, fn) for st in order}
         w.tasks.rank_coros = set(coros.values())
         by_rank = {st.rank: w.loop.create_task(coros[st.rank], name=f"aiocoll rank {st.rank}") for st in order}
         return [by_rank[st.rank] for st in local]
 
-    async def _task_main(self, w: World, st: RankState, fn: Callable[[Comm], Coroutine[Any, Any, T]]) -> T:
+    async def _task_main(self, w: World, st: RankState, fn: Callable[[Comm], Coroutine[object, object, T]]) -> T:
         rank_var().set(st)  # this task's context only; tasks it creates inherit it
         session = self._sessions[st.rank]
         try:
@@ -232,7 +232,7 @@ class WorldRun:
         st.phase = Phase.RETURNED
         return result
 
-    def _start_threads(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[Any]]:
+    def _start_threads(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[object]]:
         try:
             with self._cpus.starting() if self._cpus is not None else contextlib.nullcontext():
                 endings = None if w.turns is None else _Endings(w, len(local))
@@ -243,10 +243,10 @@ class WorldRun:
                 # waits for it to take the GIL, which a running rank would hold.
                 w.turns.start(st.rank for st in order)
 
-    def _start_thread(self, w: World, st: RankState, endings: _Endings | None) -> asyncio.Future[Any]:
+    def _start_thread(self, w: World, st: RankState, endings: _Endings | None) -> asyncio.Future[object]:
         """Run a sync rank in its own thread; the returned future completes when it ends
         (ranks taking turns: when they all have)."""
-        fut: asyncio.Future[Any] = w.loop.create_future()
+        fut: asyncio.Future[object] = w.loop.create_future()
         turns, rank_locals, fn = w.turns, self._locals, self.fn
         session = self._sessions[st.rank]
 
@@ -329,7 +329,7 @@ class WorldRun:
             if r.done() and not r.cancelled():
                 r.exception()
 
-    def _conclude(self, w: World) -> list[Any]:
+    def _conclude(self, w: World) -> list[object]:
         """The ranks' results, or the report of the first failure (warnings as the caller's)."""
         assert self._outcome is not None
         self._retrieve()

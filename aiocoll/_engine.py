@@ -37,7 +37,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -224,7 +224,7 @@ class RankState:
                 self.activity = None
                 self._change(1, 0)
 
-    def _engine_lock(self) -> contextlib.AbstractContextManager[Any]:
+    def _engine_lock(self) -> contextlib.AbstractContextManager[object]:
         lock = self.world.lock
         if lock is None:
             # ranks not taking turns leave the engine to the loop's thread
@@ -490,7 +490,7 @@ class Rendezvous:
         self.calls: list[Any] = [None] * n
         self.works: list[EngineWork | None] = [None] * n
         self.arrived = 0
-        self.sig: Any = None
+        self.sig: Hashable = None
         self.mismatched = False
         self.stamp: Stamp | None = None
 
@@ -557,13 +557,13 @@ class Group:
         # the world's P2PMatcher changes them
         self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, EngineWork]]]] = {}
         self.recvs: dict[tuple[int, int], list[EngineWork]] = {}
-        self._children: dict[Any, Group] = {}
+        self._children: dict[Hashable, Group] = {}
 
     @property
     def is_world(self) -> bool:
         return self is self.world.group
 
-    def child(self, key: Any, name: str, ranks: Sequence[int]) -> Group:
+    def child(self, key: Hashable, name: str, ranks: Sequence[int]) -> Group:
         """The sub-group made at ``key``; every member asks, the first creates it."""
         g = self._children.get(key)
         if g is None:
@@ -632,7 +632,7 @@ class World:
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
 
-    def call_soon_threadsafe(self, fn: Callable[..., object], *args: Any) -> None:
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: object) -> None:
         """Schedule ``fn`` on the loop from any thread (a no-op once the loop is closed)."""
         # a closed loop means the world is gone and nothing waits any more
         with contextlib.suppress(RuntimeError):
@@ -643,7 +643,7 @@ class World:
         self.turns = turns
         self.lock = threading.RLock()
 
-    def locked(self, fn: Callable[..., object], *args: Any) -> None:
+    def locked(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` as engine code: under the lock when rank threads run the engine too."""
         lock = self.lock
         if lock is None:
@@ -933,7 +933,7 @@ class World:
         )
 
 
-def mismatch_message(calls: Sequence[Any], seq: int, group: str, table: str) -> str:
+def mismatch_message(calls: Sequence[Call | None], seq: int, group: str, table: str) -> str:
     """The report of ranks whose calls at ``seq`` disagree (the pytest plugin parses its first line)."""
     names = {type(c).name for c in calls if c is not None}
     what = "different collectives" if len(names) > 1 else f"{names.pop()} with arguments that disagree"

@@ -92,7 +92,7 @@ class HybridWorld:
         self.id = next(_made_worlds)
         self.world: World | None = None
         self.bridge: PGBridge | None = None  # the world group's
-        self.farewell: asyncio.Future[Any] | None = None  # the abort notice sent to the others
+        self.farewell: asyncio.Future[None] | None = None  # the abort notice sent to the others
         # process groups made for sub-groups that span processes, by their global ranks,
         # waiting for the engine to make the Group they serve (see attach)
         self._made: defaultdict[tuple[int, ...], deque[dist.ProcessGroup]] = defaultdict(deque)
@@ -103,7 +103,7 @@ class HybridWorld:
         self.presence = Presence.of(pg)
         self.pg_ranks: list[int] = dist.get_process_group_ranks(pg)
         # ops with other processes that have waited WATCH_AFTER seconds: the processes each waits for
-        self._slow: dict[asyncio.Future[Any], tuple[int, ...]] = {}
+        self._slow: dict[asyncio.Future[object], tuple[int, ...]] = {}
         self._watch: asyncio.Task[None] | None = None
         self.looking: set[asyncio.Task[None]] = set()  # looks for a p2p peer gone (held: tasks are weak)
         self.gone_error: WorldAbortedError | None = None  # the error naming the processes gone
@@ -154,13 +154,13 @@ class HybridWorld:
     def ranks_of(self, proc: int) -> range:
         return range(proc * self.per_proc, (proc + 1) * self.per_proc)
 
-    def watch(self, op: asyncio.Future[Any], procs: Sequence[int]) -> None:
+    def watch(self, op: asyncio.Future[object], procs: Sequence[int]) -> None:
         """Read the heartbeats of ``procs`` once ``op`` (an exchange or a p2p op with them) has waited a while."""
         others = tuple(p for p in procs if p != self.proc)
         if others and not op.done():
             op.get_loop().call_later(self.WATCH_AFTER, self._slow_op, op, others)
 
-    def _slow_op(self, op: asyncio.Future[Any], procs: tuple[int, ...]) -> None:
+    def _slow_op(self, op: asyncio.Future[object], procs: tuple[int, ...]) -> None:
         if op.done() or self.world is None or self.world.aborted is not None:
             return
         self._slow[op] = procs
@@ -168,7 +168,7 @@ class HybridWorld:
         if self._watch is None:
             self._watch = self.context.run(op.get_loop().create_task, self._watching())
 
-    def _slow_done(self, op: asyncio.Future[Any]) -> None:
+    def _slow_done(self, op: asyncio.Future[object]) -> None:
         self._slow.pop(op, None)
 
     async def _watching(self) -> None:
@@ -266,6 +266,10 @@ class HybridWorld:
         return f"<HybridWorld process {self.proc}/{self.procs}, ranks {self.local.start}..{self.local.stop - 1}>"
 
 
+# a group's last exchange (or abort notice), which the next one waits for
+_Tail = asyncio.Future[list[object]] | asyncio.Future[None]
+
+
 class PGBridge:
     """Completes one group's collectives across processes, in the group's order."""
 
@@ -278,9 +282,9 @@ class PGBridge:
         # the group's issuer: its timeout and error mapping, and the p2p it carries (held,
         # so that all of the group's p2p goes through one)
         self.issuer = Issuer.of(pg, hybrid.timeout)
-        self._tail: asyncio.Future[Any] | None = None  # the exchange before this one
+        self._tail: _Tail | None = None  # the exchange before this one
 
-    def run(self, rdv: Rendezvous) -> asyncio.Future[list[Any]]:
+    def run(self, rdv: Rendezvous) -> asyncio.Future[list[object]]:
         loop = self.group.world.loop
         # A task of no rank: made in the bridge's context, so the engine's task factory
         # does not count it as a rank's helper, and c10d sees the process's own state.
@@ -288,7 +292,7 @@ class PGBridge:
         self._tail = task
         return task
 
-    async def _run(self, rdv: Rendezvous, prev: asyncio.Future[Any] | None) -> list[Any]:
+    async def _run(self, rdv: Rendezvous, prev: _Tail | None) -> list[object]:
         if prev is not None and not prev.done():
             # ops of one group reach its process group in the group's order
             await asyncio.wait([prev])
@@ -324,7 +328,7 @@ class PGBridge:
             raise InvalidArgumentError(
                 f"{rdv.calls[mine[0][0]].name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
             ) from e
-        waiting: asyncio.Future[None] = self.group.world.loop.create_future()  # done when the exchange is
+        waiting: asyncio.Future[object] = self.group.world.loop.create_future()  # done when the exchange is
         self.hybrid.watch(waiting, self.procs)
         try:
             blobs = await all_gather_bytes(self.pg, payload, timeout=self.issuer.timeout)
@@ -348,10 +352,10 @@ class PGBridge:
                     calls[r] = call
         return calls, sites
 
-    def notify(self, message: str) -> asyncio.Future[Any]:
+    def notify(self, message: str) -> asyncio.Future[None]:
         """Send an abort notice in place of this process's next share on the group."""
 
-        async def send(prev: asyncio.Future[Any] | None) -> None:
+        async def send(prev: _Tail | None) -> None:
             if prev is not None and not prev.done():
                 await asyncio.wait([prev])
             await all_gather_bytes(self.pg, _dumps((_ABORT, message)), timeout=self.issuer.timeout)
@@ -365,7 +369,7 @@ class PGBridge:
     def close(self) -> None:
         self._tail = None  # the last exchange's task, whose frame refers back to the bridge
 
-    def p2p(self, work: EngineWork) -> asyncio.Future[Any] | None:
+    def p2p(self, work: EngineWork) -> asyncio.Future[object] | None:
         call, g = work._call, self.group
         assert isinstance(call, (ops.Send, ops.Recv))  # (the engine bridges only p2p works here)
         peer = call.dst if isinstance(call, ops.Send) else call.src
@@ -382,7 +386,7 @@ class PGBridge:
         src_g, dst_g = (me_g, peer_g) if isinstance(call, ops.Send) else (peer_g, me_g)
         tag = (call.tag * k + src_g % k) * k + dst_g % k
         if tag >= 1 << 31:
-            fut: asyncio.Future[Any] = loop.create_future()
+            fut: asyncio.Future[object] = loop.create_future()
             fut.set_exception(
                 InvalidArgumentError(
                     f"{call.describe()} on rank {me_g}: tag {call.tag} is too large for a hybrid world"
@@ -393,14 +397,14 @@ class PGBridge:
         wire = ops.Send(call.tensor, to, tag) if isinstance(call, ops.Send) else ops.Recv(call.tensor, to, tag)
         issued = hy.context.run(self.issuer.issue, wire, loop)
         hy.watch(issued, [proc])
-        out: asyncio.Future[Any] = loop.create_future()
+        out: asyncio.Future[object] = loop.create_future()
 
         async def name_gone(exc: BaseException) -> None:
             named = await hy.name_gone([proc], exc)
             if not out.done():
                 out.set_exception(named or exc)
 
-        def done(f: asyncio.Future[Any]) -> None:
+        def done(f: asyncio.Future[object]) -> None:
             exc = None if f.cancelled() else f.exception()
             if f.cancelled():
                 out.cancel()

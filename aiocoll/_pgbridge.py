@@ -15,7 +15,6 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,7 +127,7 @@ def when_done(
         _waiters.submit(work, loop, box)
         return
 
-    def done(f: torch.futures.Future[Any]) -> None:
+    def done(f: torch.futures.Future[object]) -> None:
         exc: BaseException | None = None
         try:
             f.value()  # raises the op's error
@@ -165,8 +164,8 @@ def bridge_work(
 
 
 def bridge_future(
-    tfut: torch.futures.Future[Any], loop: asyncio.AbstractEventLoop | None = None
-) -> asyncio.Future[Any]:
+    tfut: torch.futures.Future[object], loop: asyncio.AbstractEventLoop | None = None
+) -> asyncio.Future[object]:
     """An asyncio future of ``loop`` holding ``tfut``'s value (or error) once it has one.
 
     ``tfut``'s callback may run on any thread; the result reaches the loop through
@@ -175,11 +174,11 @@ def bridge_future(
         value = await aiocoll._pgbridge.bridge_future(work.get_future())
     """
     loop = loop or asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
+    fut: asyncio.Future[object] = loop.create_future()
 
-    box: list[asyncio.Future[Any]] = [fut]  # emptied on the loop (see _call_on)
+    box: list[asyncio.Future[object]] = [fut]  # emptied on the loop (see _call_on)
 
-    def settle(f: torch.futures.Future[Any]) -> None:
+    def settle(f: torch.futures.Future[object]) -> None:
         out = box.pop()
         if out.done():
             return
@@ -188,7 +187,7 @@ def bridge_future(
         except BaseException as e:
             out.set_exception(e)
 
-    def done(f: torch.futures.Future[Any]) -> None:
+    def done(f: torch.futures.Future[object]) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
             loop.call_soon_threadsafe(settle, f)
 

@@ -13,10 +13,10 @@ import asyncio
 import pickle
 import weakref
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,15 @@ from ._xcheck import Checker
 __all__ = ["Issuer"]
 
 _R = dist.ReduceOp
+
+
+class _Options(Protocol):
+    """What every c10d option struct has (``_torch.options``)."""
+
+    timeout: timedelta
+
+
+OptionsT = TypeVar("OptionsT", bound=_Options)
 _P2P = (ops.Send, ops.Recv)
 
 
@@ -71,7 +80,7 @@ class _Reduce:
     """How a reduction travels: the tensor to reduce, the op to use, and how to write back."""
 
     buf: torch.Tensor
-    op: Any  # RedOpType
+    op: dist.ReduceOp.RedOpType
     back: Callable[[torch.Tensor], None] | None  # writes a reduced buffer into the user's tensor
 
 
@@ -82,16 +91,16 @@ class _Post:
 
     def __init__(self) -> None:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.result: Any = None
+        self.result: object = None
 
     @torch.no_grad()
-    def __call__(self) -> Any:
+    def __call__(self) -> object:
         for dst, src in self.copies:
             dst.copy_(src)
         return self.result
 
 
-_Start = Callable[[], tuple[dist.Work, Callable[[], Any]]]
+_Start = Callable[[], tuple[dist.Work, Callable[[], object]]]
 """Issues one call of the group's: its work, and what to do once it completes (the op's result)."""
 
 
@@ -106,7 +115,7 @@ class _OneCall:
 class _Steps:
     """A plan of several calls in turn (objects, new groups), run on a task; nothing else is issued meanwhile."""
 
-    run: Callable[[], Coroutine[Any, Any, Any]]
+    run: Callable[[], Awaitable[object]]
 
 
 _Plan = _OneCall | _Steps
@@ -118,7 +127,7 @@ class _Queued:
 
     plan: _Plan
     call: ops.Call
-    fut: asyncio.Future[Any]
+    fut: asyncio.Future[object]
     loop: asyncio.AbstractEventLoop
 
 
@@ -145,14 +154,14 @@ class Issuer:
         self.backend = str(dist.get_backend(pg))
         self.global_ranks = tuple(dist.get_process_group_ranks(pg))
         self.timeout: timedelta | None = None
-        self.pending: dict[asyncio.Future[Any], ops.Call] = {}  # ops not complete yet, and their calls
+        self.pending: dict[asyncio.Future[object], ops.Call] = {}  # ops not complete yet, and their calls
         self.completed = 0
         self.groups_made = 0  # new_group/split calls issued so far: names the groups they make
         self._busy = False  # a multi-step op holds the group's order until it ends
         self._queue: deque[_Queued] = deque()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._dev: torch.device | None = None
-        self._opts: dict[tuple[type, Any], Any] = {}
+        self._opts: dict[tuple[type, tuple[tuple[str, int | dist.ReduceOp.RedOpType], ...]], _Options] = {}
         # cross-process checks (see _xcheck): collectives wait for their check, in call order
         self.checker: Checker | None = None
         self._gated: deque[tuple[asyncio.Future[None] | None, _Queued]] = deque()
@@ -163,7 +172,7 @@ class Issuer:
         self._rec.groups[self.name] = (str(getattr(pg, "group_desc", "undefined")), self.global_ranks, self.rank)
         self._index = {self.global_ranks[self.rank]: 0}  # every stamp's one column
         self._seq = 0  # collectives issued: their sequence number, as in-process
-        self._stamps: dict[asyncio.Future[Any], Stamp] = {}
+        self._stamps: dict[asyncio.Future[object], Stamp] = {}
 
     def recent(self, n: int) -> list[Stamp]:
         """The flight-recorder stamps of this group's last ``n`` collectives, oldest first (for the checks' reports)."""
@@ -209,7 +218,7 @@ class Issuer:
 
     def issue(
         self, call: ops.Call, loop: asyncio.AbstractEventLoop | None = None, site: Site | None = None
-    ) -> asyncio.Future[Any]:
+    ) -> asyncio.Future[object]:
         """Issue ``call`` now (or after the multi-step op in flight); see the class docstring.
 
         With checks on, a collective is issued once its check passed (``site``: where it was
@@ -223,14 +232,14 @@ class Issuer:
                     f"{call.name} on a process-group Comm needs a running event loop: call it from async code"
                 ) from None
         if self.aborted is not None:
-            fut0: asyncio.Future[Any] = loop.create_future()
+            fut0: asyncio.Future[object] = loop.create_future()
             fut0.set_exception(self._aborted_error(call))
             fut0.exception()  # retrieved: an unawaited op is not logged
             return fut0
         plan = self._plan(call)  # raises InvalidArgumentError before anything is sent
         if isinstance(plan, _Steps) and isinstance(call, (ops.NewGroup, ops.Split)):
             self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[object] = loop.create_future()
         self.pending[fut] = call
         if isinstance(call, _P2P):
             stamp = self._stamps[fut] = self._rec.start(self.name, self._index, None, call.describe(), site)
@@ -316,7 +325,7 @@ class Issuer:
         # a barrier's wait() would synchronise the current stream: it has nothing to order
         when_done(work, loop, done, on_device=self.device.type != "cpu", wait=not isinstance(call, ops.Barrier))
 
-    async def _run_steps(self, steps: _Steps, call: ops.Call, fut: asyncio.Future[Any]) -> None:
+    async def _run_steps(self, steps: _Steps, call: ops.Call, fut: asyncio.Future[object]) -> None:
         try:
             result = await steps.run()
         except BaseException as e:
@@ -329,7 +338,7 @@ class Issuer:
                 self._launch(self._queue.popleft())
 
     def _finish(
-        self, fut: asyncio.Future[Any], call: ops.Call, post: Callable[[], Any] | None, exc: BaseException | None
+        self, fut: asyncio.Future[object], call: ops.Call, post: Callable[[], object] | None, exc: BaseException | None
     ) -> None:
         result = None
         if exc is None and post is not None:
@@ -366,7 +375,7 @@ class Issuer:
             return
         self._fail(fut, err)
 
-    def _fail(self, fut: asyncio.Future[Any], err: BaseException) -> None:
+    def _fail(self, fut: asyncio.Future[object], err: BaseException) -> None:
         """Fail the op of ``fut`` with ``err``, dumping the flight recorder if asked (see _frdump)."""
         if fut.done():
             return
@@ -380,7 +389,7 @@ class Issuer:
     async def _name_gone(
         self,
         chk: Checker,
-        fut: asyncio.Future[Any],
+        fut: asyncio.Future[object],
         call: ops.Call,
         stamp: Stamp,
         exc: BaseException,
@@ -409,13 +418,14 @@ class Issuer:
 
     # -- the plans: what each call becomes on the group ---------------------------------------
 
-    def _opt(self, cls: type, **fields: Any) -> Any:
+    def _opt(self, cls: type[OptionsT], **fields: int | dist.ReduceOp.RedOpType) -> OptionsT:
+        """A ``cls()`` with ``fields`` and the group's timeout (made once; ``reduceOp``: a RedOpType)."""
         key = (cls, tuple(sorted(fields.items())))
-        o = self._opts.get(key)
+        o = cast(OptionsT | None, self._opts.get(key))  # (made by cls, below)
         if o is None:
             o = cls()
             for k, v in fields.items():
-                setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
+                setattr(o, k, dist.ReduceOp(cast(dist.ReduceOp.RedOpType, v)) if k == "reduceOp" else v)
             if self.timeout is not None:
                 o.timeout = self.timeout
             self._opts[key] = o
@@ -623,7 +633,7 @@ def _plan_send(iss: Issuer, call: ops.Send) -> _Start:
 def _plan_recv(iss: Issuer, call: ops.Recv) -> _Start:
     buf, post = _staged(call.tensor, True)
 
-    def start() -> tuple[dist.Work, Callable[[], Any]]:
+    def start() -> tuple[dist.Work, Callable[[], object]]:
         if call.src is None:
             work = iss.pg.recv_anysource([_bytes(buf)], call.tag)
 
@@ -659,20 +669,20 @@ _PLANS: dict[type, Callable[[Issuer, Any], _Start]] = {
 # multi-step ops: coroutines that issue several ops of the group, holding its order
 
 
-async def _broadcast_object(iss: Issuer, call: ops.BroadcastObject) -> Any:
+async def _broadcast_object(iss: Issuer, call: ops.BroadcastObject) -> object:
     return pickle.loads(await broadcast_bytes(iss.pg, call.payload, call.src, timeout=iss.timeout))
 
 
-async def _all_gather_object(iss: Issuer, call: ops.AllGatherObject) -> Any:
+async def _all_gather_object(iss: Issuer, call: ops.AllGatherObject) -> object:
     return [pickle.loads(p) for p in await all_gather_bytes(iss.pg, call.payload, timeout=iss.timeout)]
 
 
-async def _gather_object(iss: Issuer, call: ops.GatherObject) -> Any:
+async def _gather_object(iss: Issuer, call: ops.GatherObject) -> object:
     got = await gather_bytes(iss.pg, call.payload, call.dst, timeout=iss.timeout)
     return None if got is None else [pickle.loads(p) for p in got]
 
 
-async def _scatter_object(iss: Issuer, call: ops.ScatterObject) -> Any:
+async def _scatter_object(iss: Issuer, call: ops.ScatterObject) -> object:
     return pickle.loads(await scatter_bytes(iss.pg, call.payloads, call.src, timeout=iss.timeout))
 
 
@@ -691,7 +701,7 @@ async def _partition(iss: Issuer, call: ops.NewGroup | ops.Split) -> ops.Partiti
     return part
 
 
-_STEPS: dict[type, Callable[[Issuer, Any], Coroutine[Any, Any, Any]]] = {
+_STEPS: dict[type, Callable[[Issuer, Any], Coroutine[object, object, object]]] = {
     ops.BroadcastObject: _broadcast_object,
     ops.AllGatherObject: _all_gather_object,
     ops.GatherObject: _gather_object,

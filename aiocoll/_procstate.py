@@ -46,9 +46,13 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ._torch import Store
 
 __all__ = [
     "Cooperative",
@@ -116,15 +120,19 @@ class RankEnviron:
         return f"<RankEnviron {len(self._own)} change(s) over {len(self._base)} variables>"
 
 
+# what a class or module gets while harness worlds run: (owner, attribute name, replacement)
+Patch = tuple[object, str, Callable[..., object]]
+
+
 class _Bound(threading.local):
     rank: int | None = None
     environ: RankEnviron | None = None
     pause: Callable[[float], None] | None = None
-    exits: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] | None = None
+    exits: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] | None = None
 
 
 _bound = _Bound()
-_Store: Any = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
+_Store: type[Store] = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
 
 
 def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> None:
@@ -158,29 +166,29 @@ def bound_rank() -> int | None:
 
 # -- os.environ, per rank ------------------------------------------------------------------
 
-_Environ: Any = type(os.environ)
+_Environ = type(os.environ)
 
 
-def _environ_methods() -> dict[str, Callable[..., Any]]:
+def _environ_methods() -> dict[str, Callable[..., object]]:
     """Replacements for ``os._Environ``'s methods: a bound rank thread reads and writes its own view."""
     real_get, real_set, real_del = _Environ.__getitem__, _Environ.__setitem__, _Environ.__delitem__
     real_iter, real_len = _Environ.__iter__, _Environ.__len__
 
-    def view(env: Any) -> RankEnviron | None:
+    def view(env: object) -> RankEnviron | None:
         # os.environb shares the class; only os.environ has views
         return _bound.environ if env is os.environ else None
 
-    def getitem(self: Any, key: str) -> str:
+    def getitem(self: os._Environ[str], key: str) -> str:
         v = view(self)
         return real_get(self, key) if v is None else v.get(key)
 
-    def setitem(self: Any, key: str, value: str) -> None:
+    def setitem(self: os._Environ[str], key: str, value: str) -> None:
         v = view(self)
         real_set(self, key, value)  # checks the types as always, and C code sees it
         if v is not None:
             v.set(key, value)
 
-    def delitem(self: Any, key: str) -> None:
+    def delitem(self: os._Environ[str], key: str) -> None:
         v = view(self)
         if v is None:
             real_del(self, key)
@@ -189,11 +197,11 @@ def _environ_methods() -> dict[str, Callable[..., Any]]:
         with contextlib.suppress(KeyError):  # (set by this rank in its own view only)
             real_del(self, key)
 
-    def iterate(self: Any) -> Iterator[str]:
+    def iterate(self: os._Environ[str]) -> Iterator[str]:
         v = view(self)
         return real_iter(self) if v is None else iter(v.keys())
 
-    def length(self: Any) -> int:
+    def length(self: os._Environ[str]) -> int:
         v = view(self)
         return real_len(self) if v is None else len(v.keys())
 
@@ -213,16 +221,16 @@ class ProcessOnly:
     """Wrappers raising ``NeedsProcess`` in a bound rank thread, for calls that act on the whole process."""
 
     @staticmethod
-    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+    def wrappers() -> list[Patch]:
         """``(module, name, replacement)`` for each call that is refused in a rank."""
-        out: list[tuple[Any, str, Callable[..., Any]]] = []
+        out: list[Patch] = []
 
-        def refuse(module: Any, name: str, what: Callable[..., str | None]) -> None:
+        def refuse(module: object, name: str, what: Callable[..., str | None]) -> None:
             real = getattr(module, name, None)
             if real is None:  # (not on this platform)
                 return
 
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
+            def wrapper(*args: object, **kwargs: object) -> object:
                 rank = _bound.rank
                 if rank is not None:
                     why = what(*args, **kwargs)
@@ -238,7 +246,7 @@ class ProcessOnly:
         def to_self(pid: int, sig: int) -> str | None:
             return f"sent signal {sig} to its own process" if pid in (0, os.getpid()) else None
 
-        def gloo(pg: Any, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> str | None:
+        def gloo(pg: object, store: object, rank: int, size: int, *args: object, **kwargs: object) -> str | None:
             return (
                 "made a ProcessGroupGloo directly (its ranks would wait for each other inside gloo)"
                 if size > 1
@@ -276,22 +284,22 @@ class RankExit:
     )
 
     @staticmethod
-    def _the_process_s(caller: Any) -> bool:
+    def _the_process_s(caller: FrameType) -> bool:
         code = caller.f_code
         return bool(code.co_name == "<module>" or code.co_filename.startswith(RankExit.LIBRARIES))
 
     @staticmethod
-    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+    def wrappers() -> list[Patch]:
         real_register, real_unregister = atexit.register, atexit.unregister
 
-        def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        def register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
             exits = _bound.exits
             if exits is None or RankExit._the_process_s(sys._getframe(1)):
                 return real_register(func, *args, **kwargs)
             exits.append((func, args, kwargs))
             return func
 
-        def unregister(func: Callable[..., Any]) -> None:
+        def unregister(func: Callable[..., object]) -> None:
             exits = _bound.exits
             if exits is not None:
                 exits[:] = [e for e in exits if e[0] != func]
@@ -307,7 +315,7 @@ class Cooperative:
     POLL = 0.002  # seconds between two looks at a store while others run
 
     @staticmethod
-    def wrappers() -> list[tuple[Any, str, Callable[..., Any]]]:
+    def wrappers() -> list[Patch]:
         real_sleep = time.sleep
 
         def sleep(seconds: float) -> None:
@@ -317,7 +325,7 @@ class Cooperative:
             else:
                 pause(seconds)
 
-        out: list[tuple[Any, str, Callable[..., Any]]] = [(time, "sleep", sleep)]
+        out: list[Patch] = [(time, "sleep", sleep)]
         for name in ("get", "wait", "multi_get"):
             real = getattr(_Store, name, None)
             if real is not None:
@@ -325,8 +333,9 @@ class Cooperative:
         return out
 
     @staticmethod
-    def _store_wait(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(store: Any, *args: Any, **kwargs: Any) -> Any:
+    def _store_wait(name: str, real: Callable[..., object]) -> Callable[..., object]:
+        # (args: a store method's, a key or keys and maybe a timeout)
+        def wrapper(store: Store, *args: Any, **kwargs: object) -> object:
             pause = _bound.pause
             if pause is not None and args:
                 keys = [args[0]] if name == "get" else list(args[0])
@@ -353,14 +362,14 @@ class ProcessState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[tuple[object, str, object]] = []
 
     def enter(self) -> None:
         with self._lock:
             self._count += 1
             if self._count > 1:
                 return
-            patches = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
+            patches: list[Patch] = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
             patches += ProcessOnly.wrappers()
             patches += RankExit.wrappers()
             patches += Cooperative.wrappers()

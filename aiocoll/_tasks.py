@@ -57,11 +57,11 @@ class RankTasks:
     def __init__(self, counts: Counts, loop: asyncio.AbstractEventLoop) -> None:
         self.counts = counts
         self.loop = loop
-        self.task: asyncio.Task[Any] | None = None  # the rank's own task (async ranks)
-        self.helpers: set[asyncio.Future[Any]] = set()  # tasks the rank created, still running
+        self.task: asyncio.Task[object] | None = None  # the rank's own task (async ranks)
+        self.helpers: set[asyncio.Future[object]] = set()  # tasks the rank created, still running
         # its tasks counted parked in a gather (below), each with how many tasks it waits for
-        self.gathering: dict[asyncio.Future[Any], int] = {}
-        self.holding: dict[asyncio.Future[Any], asyncio.Future[Any]] = {}  # a task -> the gathering task it holds
+        self.gathering: dict[asyncio.Future[object], int] = {}
+        self.holding: dict[asyncio.Future[object], asyncio.Future[object]] = {}  # a task -> the gathering task it holds
         self.starting = 0  # task factory calls under way (an eager one runs the task's first step)
         self.recheck = False  # a look for gathers is due on the loop's next turn (see RankState.parked_one)
 
@@ -106,8 +106,8 @@ class RankTasks:
                 self.counts._change(0, 1)
                 return
         found = []
-        claimed: set[asyncio.Future[Any]] = set()
-        gatherers: list[asyncio.Future[Any]] = []
+        claimed: set[asyncio.Future[object]] = set()
+        gatherers: list[asyncio.Future[object]] = []
         if len(self.helpers) <= _GATHER_HELPERS:  # (a look at each: not on every op of a rank of thousands)
             gatherers = [t for t in self.helpers if _awaits_own(t, self.helpers)]
         for task in (self.task, *gatherers):
@@ -129,7 +129,7 @@ class RankTasks:
         if found:
             self.counts._change(0, len(found))
 
-    def _leaves_of(self, gather: asyncio.Future[Any] | None) -> set[asyncio.Future[Any]] | None:
+    def _leaves_of(self, gather: asyncio.Future[object] | None) -> set[asyncio.Future[object]] | None:
         """The tasks of this rank that ``gather`` (a gather, or anything else) waits for, if it waits for no other.
 
         Nested gathers are looked into. None if it waits for something outside the rank
@@ -142,7 +142,7 @@ class RankTasks:
         children = _children(gather)
         if children is None:
             return None
-        leaves: set[asyncio.Future[Any]] = set()
+        leaves: set[asyncio.Future[object]] = set()
         for c in children:
             if c.done():
                 if c.cancelled() or c.exception() is not None:
@@ -156,10 +156,10 @@ class RankTasks:
                 leaves |= inner
         return leaves or None
 
-    def _gather_done(self, task: asyncio.Future[Any], _gather: asyncio.Future[Any]) -> None:
+    def _gather_done(self, task: asyncio.Future[object], _gather: asyncio.Future[object]) -> None:
         self.resumed(task)
 
-    def resumed(self, task: asyncio.Future[Any] | None) -> None:
+    def resumed(self, task: asyncio.Future[object] | None) -> None:
         """``task`` runs again, or is about to: it no longer counts as parked in a gather.
 
         A gather's end wakes its task before the engine hears of it (the task's callback
@@ -169,7 +169,7 @@ class RankTasks:
         if task is not None and self.gathering.pop(task, None) is not None:
             self.counts._change(0, -1)
 
-    def helper_done(self, task: asyncio.Future[Any]) -> None:
+    def helper_done(self, task: asyncio.Future[object]) -> None:
         self.helpers.discard(task)
         # A gather whose last task this was (or which failed) is about to wake its own
         # task; the engine would hear of it only later: count that task as running now.
@@ -192,12 +192,12 @@ _GATHER_SCAN = 8
 _GATHER_HELPERS = 32
 
 
-def _gathering(task: asyncio.Future[Any]) -> asyncio.Future[Any] | None:
+def _gathering(task: asyncio.Future[object]) -> asyncio.Future[object] | None:
     """What ``task`` awaits now (asyncio's ``_fut_waiter``, C and Python tasks alike), if anything."""
     return getattr(task, "_fut_waiter", None)
 
 
-def _children(fut: asyncio.Future[Any] | None) -> Sequence[asyncio.Future[Any]] | None:
+def _children(fut: asyncio.Future[object] | None) -> Sequence[asyncio.Future[object]] | None:
     """The futures of ``fut`` if it is a pending ``asyncio.gather``; else None.
 
     Reads asyncio's own names (Python 3.11-3.13): ``_GatheringFuture`` and its
@@ -215,10 +215,15 @@ _GatheringFuture: type = getattr(asyncio.tasks, "_GatheringFuture", type(None))
 CONTEXTS = hasattr(asyncio.Task, "get_context")
 
 
-def _awaits_own(task: asyncio.Future[Any], helpers: set[asyncio.Future[Any]]) -> bool:
+def _awaits_own(task: asyncio.Future[object], helpers: set[asyncio.Future[object]]) -> bool:
     """Whether ``task`` awaits a gather, or one of ``helpers`` itself."""
     waiter = _gathering(task)
     return isinstance(waiter, _GatheringFuture) or waiter in helpers
+
+
+# a loop's task factory (``loop.set_task_factory``): (loop, coro, **kwargs) -> a task of
+# the coroutine's result (typeshed's protocol for it is generic in that result, and private)
+TaskFactory = Callable[..., asyncio.Future[Any]]
 
 
 class _Factory:
@@ -228,11 +233,11 @@ class _Factory:
 
     def __init__(self) -> None:
         self.worlds = 0
-        self.prev: Any = None  # the factory it calls (None: asyncio.Task)
+        self.prev: TaskFactory | None = None  # the factory it calls (None: asyncio.Task)
         # a factory a rank set and left on the loop as its world ended: it may call the
         # engine's back (a wrapper of the one it found), which then calls base
-        self.left: Any = None
-        self.base: Any = None
+        self.left: TaskFactory | None = None
+        self.base: TaskFactory | None = None
         self.guard = False  # whether prev is that factory
         self.depth = 0  # then: calls of prev under way (a call back comes in meanwhile)
 
@@ -245,7 +250,9 @@ _current: Callable[[], RankTasks | None] | None = None
 _installed: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Factory] = weakref.WeakKeyDictionary()
 
 
-def task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Future[Any]:
+def task_factory(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[object, object, object], **kwargs: Any
+) -> asyncio.Future[object]:
     f = _installed.get(loop)
     prev = f.prev if f is not None else None
     guarded = False
@@ -259,7 +266,7 @@ def task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
             f.depth += 1
     try:
         tasks = _current() if _current is not None else None
-        task: asyncio.Future[Any]
+        task: asyncio.Future[object]
         if tasks is None:
             task = prev(loop, coro, **kwargs) if prev is not None else asyncio.Task(coro, loop=loop, **kwargs)
             return task
@@ -334,7 +341,7 @@ class WorldTasks:
         self._world = world
         # the coroutines of its ranks' own tasks (none: its ranks are threads, which make no
         # tasks); a rank's own task is no helper of it
-        self.rank_coros: set[Any] = set()
+        self.rank_coros: set[object] = set()
         # the task factory that replaced the engine's while the ranks ran, when the tasks
         # made since cannot be found (see count_all)
         self.untracked: str | None = None
@@ -342,9 +349,9 @@ class WorldTasks:
     def __repr__(self) -> str:
         return f"<WorldTasks of world {self._world.id}: {len(self.rank_coros)} rank task(s)>"
 
-    def cancel(self, msg: str) -> list[asyncio.Future[Any]]:
+    def cancel(self, msg: str) -> list[asyncio.Future[object]]:
         """Cancel every task of every rank still running; return them to be awaited."""
-        out: list[asyncio.Future[Any]] = []
+        out: list[asyncio.Future[object]] = []
         for st in self._world.ranks:
             for t in [st.tasks.task, *st.tasks.helpers]:
                 if t is not None and not t.done():
@@ -370,7 +377,7 @@ class WorldTasks:
         w = self._world
         if not self.rank_coros or threading.get_ident() != w.loop_thread:
             return True  # (sync ranks make no tasks; async ranks run on the loop's thread)
-        found: list[tuple[RankState, asyncio.Task[Any]]] = []
+        found: list[tuple[RankState, asyncio.Task[object]]] = []
         if CONTEXTS:
             # (a rank that returned may have tasks left, which still act for it)
             found = [(st, t) for st, t in self._found() if st.phase in (Phase.RUNNING, Phase.RETURNED)]
@@ -391,7 +398,7 @@ class WorldTasks:
             st.tasks.recheck_soon()  # (or will, once the task that made them in its first step awaits them)
         return True
 
-    def _found(self) -> list[tuple[RankState, asyncio.Task[Any]]]:
+    def _found(self) -> list[tuple[RankState, asyncio.Task[object]]]:
         """The tasks made for this world's ranks out of the engine's sight, each with its rank (Python 3.12+).
 
         Found by the rank in their context: a task's context is a copy of its maker's.

@@ -23,16 +23,40 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d
 
 from ._errors import TorchCompatError
+
+if TYPE_CHECKING:
+    # c10d's option structs and stores, for annotations here and in the rest of aiocoll
+    # (``torch.distributed`` does not re-export them all); the classes themselves are
+    # looked up in ``options`` below
+    from torch._C._distributed_c10d import AllgatherOptions as AllgatherOptions
+    from torch._C._distributed_c10d import AllreduceOptions as AllreduceOptions
+    from torch._C._distributed_c10d import AllToAllOptions as AllToAllOptions
+    from torch._C._distributed_c10d import Backend as Backend
+    from torch._C._distributed_c10d import BarrierOptions as BarrierOptions
+    from torch._C._distributed_c10d import BroadcastOptions as BroadcastOptions
+    from torch._C._distributed_c10d import GatherOptions as GatherOptions
+    from torch._C._distributed_c10d import ReduceOptions as ReduceOptions
+    from torch._C._distributed_c10d import ReduceScatterOptions as ReduceScatterOptions
+    from torch._C._distributed_c10d import ScatterOptions as ScatterOptions
+    from torch._C._distributed_c10d import Store as Store
+    from torch._C._distributed_c10d import _DistributedBackendOptions
+    from torch.distributed.device_mesh import DeviceMesh as DeviceMesh
+    from torch.testing._internal.common_distributed import MultiProcContinuousTest, MultiProcessTestCase
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
+
+    # what c10d hands a backend's creator (the extended API)
+    DistributedBackendOptions: TypeAlias = _DistributedBackendOptions
 
 # typed as Any: their stubs differ from release to release, and every use is checked here
 _c10d: Any = torch.distributed.distributed_c10d
@@ -80,7 +104,7 @@ def _broken(what: str) -> TorchCompatError:
     )
 
 
-def _need(obj: Any, name: str, what: str) -> Any:
+def _need(obj: object, name: str, what: str) -> Any:
     """``getattr(obj, name)``, or a TorchCompatError naming the assumption."""
     try:
         return getattr(obj, name)
@@ -99,15 +123,23 @@ foreach_copy_: Callable[..., None] = _need(torch, "_foreach_copy_", "torch._fore
 class options:
     """c10d's option structs (``torch.distributed`` does not re-export them all, 2.10-2.15)."""
 
-    AllgatherOptions: Any = _need(_C, "AllgatherOptions", "torch._C._distributed_c10d.AllgatherOptions")
-    AllreduceOptions: Any = _need(_C, "AllreduceOptions", "torch._C._distributed_c10d.AllreduceOptions")
-    AllToAllOptions: Any = _need(_C, "AllToAllOptions", "torch._C._distributed_c10d.AllToAllOptions")
-    BarrierOptions: Any = _need(_C, "BarrierOptions", "torch._C._distributed_c10d.BarrierOptions")
-    BroadcastOptions: Any = _need(_C, "BroadcastOptions", "torch._C._distributed_c10d.BroadcastOptions")
-    GatherOptions: Any = _need(_C, "GatherOptions", "torch._C._distributed_c10d.GatherOptions")
-    ReduceOptions: Any = _need(_C, "ReduceOptions", "torch._C._distributed_c10d.ReduceOptions")
-    ReduceScatterOptions: Any = _need(_C, "ReduceScatterOptions", "torch._C._distributed_c10d.ReduceScatterOptions")
-    ScatterOptions: Any = _need(_C, "ScatterOptions", "torch._C._distributed_c10d.ScatterOptions")
+    AllgatherOptions: type[AllgatherOptions] = _need(
+        _C, "AllgatherOptions", "torch._C._distributed_c10d.AllgatherOptions"
+    )
+    AllreduceOptions: type[AllreduceOptions] = _need(
+        _C, "AllreduceOptions", "torch._C._distributed_c10d.AllreduceOptions"
+    )
+    AllToAllOptions: type[AllToAllOptions] = _need(_C, "AllToAllOptions", "torch._C._distributed_c10d.AllToAllOptions")
+    BarrierOptions: type[BarrierOptions] = _need(_C, "BarrierOptions", "torch._C._distributed_c10d.BarrierOptions")
+    BroadcastOptions: type[BroadcastOptions] = _need(
+        _C, "BroadcastOptions", "torch._C._distributed_c10d.BroadcastOptions"
+    )
+    GatherOptions: type[GatherOptions] = _need(_C, "GatherOptions", "torch._C._distributed_c10d.GatherOptions")
+    ReduceOptions: type[ReduceOptions] = _need(_C, "ReduceOptions", "torch._C._distributed_c10d.ReduceOptions")
+    ReduceScatterOptions: type[ReduceScatterOptions] = _need(
+        _C, "ReduceScatterOptions", "torch._C._distributed_c10d.ReduceScatterOptions"
+    )
+    ScatterOptions: type[ScatterOptions] = _need(_C, "ScatterOptions", "torch._C._distributed_c10d.ScatterOptions")
 
 
 # -- ReduceOp internals ---------------------------------------------------------------
@@ -115,7 +147,7 @@ class options:
 PREMUL_SUM_FACTOR = "ReduceOp.factor (2.13+) or ReduceOp.__getstate__() (2.10-2.12) for PREMUL_SUM's factor"
 
 
-def premul_factor(op: Any) -> float | torch.Tensor:
+def premul_factor(op: dist.ReduceOp) -> float | torch.Tensor:
     """The factor of a ``_make_nccl_premul_sum(factor)`` op.
 
     2.13+ exposes ``op.factor``; 2.10-2.12 have no such attribute, but the pickling
@@ -160,7 +192,7 @@ def python_process_group(cls: type[dist.ProcessGroup]) -> type[dist.ProcessGroup
         if new in vars(cls) and old not in vars(cls):
             setattr(cls, old, vars(cls)[new])
 
-    def _get_backend(self: dist.ProcessGroup, device: Any = None) -> dist.ProcessGroup:
+    def _get_backend(self: dist.ProcessGroup, device: object = None) -> dist.ProcessGroup:
         return self
 
     cls._get_backend = _get_backend  # type: ignore[method-assign,assignment]
@@ -178,21 +210,23 @@ def python_process_group(cls: type[dist.ProcessGroup]) -> type[dist.ProcessGroup
     return cls
 
 
-def _supports_nothing(self: Any, *args: Any, **kwargs: Any) -> bool:
+def _supports_nothing(self: object, *args: object, **kwargs: object) -> bool:
     return False
 
 
-def allgather_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
+def allgather_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: AllgatherOptions) -> dist.Work:
     """``pg``'s all-gather into one tensor (``_allgather_base``, bound on every release)."""
     return pg._allgather_base(out, inp, opts)
 
 
-def reduce_scatter_into(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
+def reduce_scatter_into(
+    pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, opts: ReduceScatterOptions
+) -> dist.Work:
     """``pg``'s reduce-scatter of one tensor (``_reduce_scatter_base``, bound on every release)."""
     return pg._reduce_scatter_base(out, inp, opts)
 
 
-def backend_of(pg: dist.ProcessGroup, device: torch.device) -> Any:
+def backend_of(pg: dist.ProcessGroup, device: torch.device) -> Backend:
     """``pg``'s backend for ``device`` (gloo's, NCCL's); RuntimeError where it has none."""
     return pg._get_backend(device)
 
@@ -215,9 +249,9 @@ def default_group() -> dist.ProcessGroup:
     return pg
 
 
-def default_store() -> Any:  # a torch Store (no stub names it)
+def default_store() -> Store:
     """The store of torch.distributed's default group (the job's rendezvous store)."""
-    store = _c10d._get_default_store()
+    store: Store = _c10d._get_default_store()
     return store
 
 
@@ -328,19 +362,19 @@ class module_hooks:
     )
 
     @staticmethod
-    def read() -> dict[str, Any]:
+    def read() -> dict[str, object]:
         """The hooks in force now (the objects themselves)."""
         from torch.nn.modules import module
 
         return {name: getattr(module, name) for name in module_hooks.NAMES if hasattr(module, name)}
 
     @staticmethod
-    def copy(state: dict[str, Any]) -> dict[str, Any]:
+    def copy(state: dict[str, object]) -> dict[str, object]:
         """A state with the same hooks in new containers (what a forked process starts with)."""
         return {name: type(v)(v) if isinstance(v, dict) else v for name, v in state.items()}
 
     @staticmethod
-    def write(state: dict[str, Any]) -> None:
+    def write(state: dict[str, object]) -> None:
         """Put ``state`` in force."""
         from torch.nn.modules import module
 
@@ -360,7 +394,7 @@ _GetDict = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_GetDict", ctypes.p
 _drop_lock = threading.Lock()
 
 
-def _thread_state_dict() -> dict[str, Any] | None:
+def _thread_state_dict() -> dict[str, object] | None:
     """The calling thread's state dict (``PyThreadState_GetDict``), or None."""
     ptr = _GetDict()
     return None if not ptr else ctypes.cast(ptr, ctypes.py_object).value
@@ -401,23 +435,23 @@ _MESH_FUNCTION_CACHES = (
 _MESH_KEYED_DICTS = (("torch.distributed.tensor._redistribute", "_planner_cache"),)
 
 
-def _loaded(module: str, path: str) -> Any:
+def _loaded(module: str, path: str) -> object:
     """``module.path`` if ``module`` is imported (never imports it) and has it, else None."""
-    obj: Any = sys.modules.get(module)
+    obj: object = sys.modules.get(module)
     for name in path.split("."):
         obj = getattr(obj, name, None)
     return obj
 
 
-def drop_mesh_caches(meshes: list[Any]) -> None:
+def drop_mesh_caches(meshes: Sequence[object]) -> None:
     """Drop what DTensor's process-wide caches keep for ``meshes`` (of a world that ended).
 
     The meshes must be alive (the caller holds them) so that entries can be matched.
     """
     for module, path in _MESH_FUNCTION_CACHES:
-        cache = _loaded(module, path)
-        if callable(getattr(cache, "cache_clear", None)):
-            cache.cache_clear()
+        cache_clear = getattr(_loaded(module, path), "cache_clear", None)
+        if callable(cache_clear):
+            cache_clear()
     ids = {id(m) for m in meshes}
     for module, path in _MESH_KEYED_DICTS:
         table = _loaded(module, path)
@@ -458,7 +492,7 @@ _GLOBAL_PROPERTIES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config
 def _own_map(name: str) -> property:
     """A map kept on the state object, where torch reads a module global."""
 
-    def get(self: C10dState) -> dict[Any, Any]:
+    def get(self: C10dState) -> dict[object, object]:
         return self._maps[name]
 
     return property(get)
@@ -474,7 +508,7 @@ class C10dState(_World):  # type: ignore[misc]
 
     def __init__(self) -> None:
         super().__init__()
-        self._maps: dict[str, dict[Any, Any]] = {name: {} for name in _GLOBAL_PROPERTIES}
+        self._maps: dict[str, dict[object, object]] = {name: {} for name in _GLOBAL_PROPERTIES}
         self._group_count = 0
 
     pg_map = _own_map("pg_map")
@@ -513,10 +547,10 @@ class _StateProxy:
 
     __slots__ = ("_fallback",)
 
-    def __init__(self, fallback: Any) -> None:
+    def __init__(self, fallback: object) -> None:
         object.__setattr__(self, "_fallback", fallback)
 
-    def __getattribute__(self, name: str) -> Any:
+    def __getattribute__(self, name: str) -> object:
         # every attribute is the target's: __getattribute__ rather than __getattr__ spares
         # the failed own lookup (and its AttributeError) on each of torch's reads, about
         # three per collective
@@ -525,7 +559,7 @@ class _StateProxy:
             st = object.__getattribute__(self, "_fallback")
         return getattr(st, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         st = _state_var.get()
         setattr(object.__getattribute__(self, "_fallback") if st is None else st, name, value)
 
@@ -559,10 +593,7 @@ def check_c10d() -> None:
     _checked = torch.__version__
 
 
-_saved: dict[str, Any] = {}
-
-
-def watch_meshes(mesh_made: Callable[[Any], int | None]) -> Callable[[], None]:
+def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Callable[[], None]:
     """Show every ``DeviceMesh`` built from now on to ``mesh_made``; returns the undo.
 
     A mesh's ``_thread_id`` (2.10-2.15: what tells meshes of different ranks apart in
@@ -575,7 +606,7 @@ def watch_meshes(mesh_made: Callable[[Any], int | None]) -> Callable[[], None]:
     saved = vars(mesh_cls)["__init__"]
 
     @functools.wraps(saved)
-    def mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    def mesh_init(self: DeviceMesh, *args: object, **kwargs: object) -> None:
         saved(self, *args, **kwargs)
         ident = mesh_made(self)
         if ident is not None:
@@ -588,9 +619,9 @@ def watch_meshes(mesh_made: Callable[[Any], int | None]) -> Callable[[], None]:
 @contextmanager
 def patched_c10d(
     name_suffix: Callable[[], str | None],
-    mesh_made: Callable[[Any], int | None],
-    is_own: Callable[[Any], bool] = lambda pg: False,
-    store_made: Callable[[Any], None] = lambda store: None,
+    mesh_made: Callable[[DeviceMesh], int | None],
+    is_own: Callable[[dist.ProcessGroup], bool] = lambda pg: False,
+    store_made: Callable[[Store], None] = lambda store: None,
 ) -> Iterator[None]:
     """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
 
@@ -618,15 +649,15 @@ def patched_c10d(
     check_c10d()
     saved_world, saved_hook, saved_name = _c10d._world, sys.excepthook, _c10d._process_group_name
 
-    def process_group_name(ranks: Any, use_hashed_name: bool) -> Any:
-        name = saved_name(ranks, use_hashed_name)
+    def process_group_name(ranks: list[int], use_hashed_name: bool) -> str:
+        name: str = saved_name(ranks, use_hashed_name)
         suffix = name_suffix()
         return name if suffix is None else type(name)(f"{name}{suffix}")
 
     meta = type(_c10d.group)  # _WorldMeta (2.10-2.15): group.WORLD is a property of it
     saved_world_prop = meta.__dict__["WORLD"]
 
-    def world_get(cls: Any) -> Any:
+    def world_get(cls: type) -> object:
         caller = sys._getframe(1)
         if not caller.f_code.co_flags & inspect.CO_OPTIMIZED:  # module or class body code, not a function's
             spec = caller.f_globals.get("__spec__")
@@ -638,9 +669,9 @@ def patched_c10d(
     stores = [cls for cls in (d.FileStore, d.TCPStore, d.HashStore, d.PrefixStore) if "__init__" in vars(cls)]
     saved_store_inits = [vars(cls)["__init__"] for cls in stores]
 
-    def store_init(real: Any) -> Any:
+    def store_init(real: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(real)
-        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        def init(self: Store, *args: object, **kwargs: object) -> None:
             real(self, *args, **kwargs)
             store_made(self)
 
@@ -649,7 +680,7 @@ def patched_c10d(
     saved_barrier = _c10d.monitored_barrier
 
     @functools.wraps(saved_barrier)
-    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+    def monitored_barrier(group: Any = None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> object:
         pg = group if group is not None else _c10d._get_default_group() if _c10d.is_initialized() else None
         if pg is not None and is_own(pg):
             return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
@@ -683,7 +714,7 @@ def patched_c10d(
 def _per_thread(name: str, kind: type) -> property:
     """A ThreadLocalWorld property: a ``kind()`` kept on the calling thread's world data."""
 
-    def get(self: Any) -> Any:
+    def get(self: ThreadLocalWorld) -> object:
         world = self._get_world()
         if not hasattr(world, name):
             setattr(world, name, kind())
@@ -699,7 +730,7 @@ class threaded_harness:
     PLUGIN_KEY = "THREADED"  # backend "threaded"'s key in torch's plugin table
 
     @staticmethod
-    def process_local_group() -> Any:
+    def process_local_group() -> type[ProcessLocalGroup]:
         """torch's threaded ProcessGroup class (importing it registers backend "threaded")."""
         from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
@@ -736,13 +767,13 @@ class threaded_harness:
             delattr(ThreadLocalWorld, name)
 
     @staticmethod
-    def plugins() -> dict[str, Any]:
+    def plugins() -> dict[str, object]:
         """c10d's table of backend plugins (name -> creator)."""
-        table: dict[str, Any] = _need(dist.Backend, "_plugins", "torch.distributed.Backend._plugins")
+        table: dict[str, object] = _need(dist.Backend, "_plugins", "torch.distributed.Backend._plugins")
         return table
 
     @staticmethod
-    def plugin(creator: Callable[..., Any]) -> Any:
+    def plugin(creator: Callable[..., dist.ProcessGroup]) -> object:
         """A plugin entry for ``creator`` taking the extended API."""
         return _need(dist.Backend, "_BackendPlugin", "torch.distributed.Backend._BackendPlugin")(creator, True)
 
@@ -767,15 +798,17 @@ class process_harness:
     MODULE = "torch.testing._internal.common_distributed"
 
     @staticmethod
-    def module() -> Any:
+    def module() -> ModuleType:
         import torch.testing._internal.common_distributed as common_distributed
 
         return common_distributed
 
     @staticmethod
-    def test_case() -> Any:
+    def test_case() -> type[MultiProcessTestCase]:
         """``MultiProcessTestCase``, checked for every hook ``aiocoll.testing`` relies on."""
-        cls = _need(process_harness.module(), "MultiProcessTestCase", "MultiProcessTestCase")
+        cls: type[MultiProcessTestCase] = _need(
+            process_harness.module(), "MultiProcessTestCase", "MultiProcessTestCase"
+        )
         for name in (
             "_start_processes",
             "_join_processes",
@@ -789,9 +822,9 @@ class process_harness:
         return cls
 
     @staticmethod
-    def continuous_test_case() -> Any:
+    def continuous_test_case() -> type[MultiProcContinuousTest] | None:
         """``MultiProcContinuousTest``, if this torch has it (checked like ``test_case``), else None."""
-        cls = getattr(process_harness.module(), "MultiProcContinuousTest", None)
+        cls: type[MultiProcContinuousTest] | None = getattr(process_harness.module(), "MultiProcContinuousTest", None)
         if cls is not None:
             for name in ("_spawn_processes", "_worker_loop"):
                 _need(cls, name, f"MultiProcContinuousTest.{name}")
@@ -816,8 +849,8 @@ class process_harness:
     @staticmethod
     @contextmanager
     def patched_init(
-        group_backend: Callable[[Any, int, list[int]], str | None],
-        rendezvous: Callable[[str, int, int], tuple[Any, int, int] | None],
+        group_backend: Callable[[object, int, list[int]], str | None],
+        rendezvous: Callable[[str, int, int], tuple[Store, int, int] | None],
     ) -> Iterator[None]:
         """torch.distributed's group creation and rendezvous, steered while the block runs.
 
@@ -856,10 +889,13 @@ class process_harness:
             return pg, store
 
         @functools.wraps(saved_rendezvous)
-        def steered_rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Any:
+        def steered_rendezvous(
+            url: str, rank: int = -1, world_size: int = -1, **kwargs: object
+        ) -> Iterator[tuple[Store, int, int]]:
             found = rendezvous(url, rank, world_size)
             if found is None:
-                return saved_rendezvous(url, rank, world_size, **kwargs)
+                torchs: Iterator[tuple[Store, int, int]] = saved_rendezvous(url, rank, world_size, **kwargs)
+                return torchs
             return iter([found])
 
         with contextlib.ExitStack() as undo:

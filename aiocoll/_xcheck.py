@@ -36,9 +36,9 @@ import asyncio
 import dataclasses
 import hashlib
 import io
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from ._errors import CollectiveMismatchError, WorldAbortedError
 from ._presence import Presence, StoreUnreachable
 from ._record import Recorder, Stamp
 from ._work import Site, fmt_site
+
+if TYPE_CHECKING:
+    from ._torch import Store
 
 
 class _Issuer(Protocol):
@@ -166,7 +169,7 @@ def agree(rows: Sequence[Sequence[int]]) -> bool:
 # -- shadows: a call without its data, to send to the other processes ------------------------
 
 
-def _meta(v: Any) -> Any:
+def _meta(v: object) -> object:
     if isinstance(v, torch.Tensor):
         return torch.empty(v.shape, dtype=v.dtype, device="meta")
     if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
@@ -180,7 +183,7 @@ def _meta(v: Any) -> Any:
     return v
 
 
-def shadow(call: ops.Call) -> Any:
+def shadow(call: ops.Call) -> ops.Call:
     """``call`` with meta tensors in place of its tensors: same signature, describe() and check()."""
     return dataclasses.replace(call, **{f.name: _meta(getattr(call, f.name)) for f in dataclasses.fields(call)})
 
@@ -223,10 +226,10 @@ class Checker:
         _side_groups_made[iss.name] = made + 1
         self.side_name = f"{iss.name}/aiocoll-check{made}"
         self.side: dist.ProcessGroup | None = None
-        self._making: asyncio.Future[Any] | None = None
-        self._backlog: list[tuple[Any, asyncio.Future[None], Stamp]] = []
+        self._making: asyncio.Task[None] | None = None
+        self._backlog: list[tuple[ops.Call, asyncio.Future[None], Stamp]] = []
         self._opts = _torch.options.AllgatherOptions()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- gating ---------------------------------------------------------------------------------
 
@@ -240,7 +243,7 @@ class Checker:
             self._send(call, fut, stamp, loop)
         return fut
 
-    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -331,7 +334,7 @@ class Checker:
         err.add_note(self._report([g[2] for g in got], seq))
         self._fail(fut, err)
 
-    def _table(self, calls: Sequence[Any], sites: Sequence[Site | None]) -> str:
+    def _table(self, calls: Sequence[ops.Call], sites: Sequence[Site | None]) -> str:
         ranks = self.iss.global_ranks
         lines = []
         for r, c in enumerate(calls):
@@ -375,7 +378,7 @@ class Checker:
         while not fut.done():
             began = loop.time()
             look = asyncio.ensure_future(self.gone_error(call.describe(), stamp, None))
-            either: list[asyncio.Future[Any]] = [look, fut]
+            either: list[asyncio.Future[WorldAbortedError | None] | asyncio.Future[None]] = [look, fut]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not look.done():  # the check completed first (a look can last Presence.STALE)
                 look.cancel()
@@ -424,7 +427,7 @@ class Checker:
         err.__cause__ = cause
         return err
 
-    def _fail(self, fut: asyncio.Future[Any], err: BaseException) -> None:
+    def _fail(self, fut: asyncio.Future[None], err: BaseException) -> None:
         if not fut.done():
             fut.set_exception(err)
             fut.exception()  # retrieved: the issuer reports it through the op
@@ -440,9 +443,9 @@ def _site_of(stamp: Stamp) -> Site | None:
     return (stamp.files[0], stamp.lines[0]) if stamp.files[0] else None
 
 
-def _swap(store: Any, key: str, rank: int, size: int, blob: bytes, timeout: float) -> list[bytes]:
+def _swap(store: Store, key: str, rank: int, size: int, blob: bytes, timeout: float) -> list[bytes]:
     """Every rank's ``blob`` through the store under ``key`` (blocking: run it in a thread)."""
-    store.set(f"{key}{rank}", blob)
+    store.set(f"{key}{rank}", blob)  # type: ignore[arg-type]  # (torch's stub: str only; it takes bytes too)
     keys = [f"{key}{r}" for r in range(size)]
     store.wait(keys, timedelta(seconds=timeout))
     return [bytes(store.get(k)) for k in keys]

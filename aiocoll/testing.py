@@ -169,8 +169,8 @@ def _patch() -> None:
     _saved["hooks"] = {name: ProcessLocalGroup.__dict__[name] for name in ("exception_handle", "reset")}
     # same key, so the plugin keeps its place in the table (c10d looks at the first one)
     plugins[_THREADED] = _torch.threaded_harness.plugin(_create_group)
-    ProcessLocalGroup.exception_handle = classmethod(_exception_handle)
-    ProcessLocalGroup.reset = classmethod(_reset)
+    for name, hook in (("exception_handle", _exception_handle), ("reset", _reset)):
+        setattr(ProcessLocalGroup, name, classmethod(hook))
     # meshes belong to the run whose rank built them, released when it ends (the
     # harness's threaded backend keeps them apart by thread itself)
     _saved["meshes"] = _torch.watch_meshes(_harness_mesh_made)
@@ -476,6 +476,7 @@ def replace_process_harness(
 _process_lock = threading.Lock()
 _process_active: list[ProcessHarnessReplacement] = []
 _process_saved: dict[str, Any] = {}
+_SPAWN_CONTINUOUS = "_spawn_processes"  # MultiProcContinuousTest's classmethod, replaced while patched
 _DEFERRED = "_aiocoll_deferred_start"  # on a test object: the Process factory its start was deferred with
 
 
@@ -486,12 +487,13 @@ def _patch_process() -> None:
     steering = contextlib.ExitStack()
     steering.enter_context(_torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous))
     _process_saved["steering"] = steering
-    _process_saved["case"] = {name: case.__dict__[name] for name in ("_start_processes", "_join_processes")}
-    case._start_processes = _start_processes
-    case._join_processes = _join_processes
+    hooks = {"_start_processes": _start_processes, "_join_processes": _join_processes}
+    _process_saved["case"] = {name: case.__dict__[name] for name in hooks}
+    for name, hook in hooks.items():
+        setattr(case, name, hook)
     if continuous is not None:
-        _process_saved["continuous"] = continuous.__dict__["_spawn_processes"]
-        continuous._spawn_processes = classmethod(_spawn_continuous)
+        _process_saved["continuous"] = continuous.__dict__[_SPAWN_CONTINUOUS]
+        setattr(continuous, _SPAWN_CONTINUOUS, classmethod(_spawn_continuous))
 
 
 def _unpatch_process() -> None:
@@ -500,7 +502,7 @@ def _unpatch_process() -> None:
     for name, fn in _process_saved.pop("case").items():
         setattr(case, name, fn)
     if continuous is not None:
-        continuous._spawn_processes = _process_saved.pop("continuous")
+        setattr(continuous, _SPAWN_CONTINUOUS, _process_saved.pop("continuous"))
     _process_saved.pop("steering").close()
 
 
