@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -259,3 +260,141 @@ def test_a_signal_ends_the_run_at_once_saying_where_each_rank_was(tmp_path: Path
         assert said.endswith("at busy.py:17 in <module>: dist.all_reduce(t)"), err
     assert "  rank 3: running at busy.py:11 in spin: while True:" in lines, err
     assert took < 5, f"{took:.1f} s after {sig.name}"  # (about 0.2-0.6 s here; the bound only catches a hang)
+
+
+SPAWNING = """
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def setup(rank, world_size):  # as PyTorch's DDP tutorial does
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def train(rank, world_size, mode):
+    setup(rank, world_size)
+    if mode == "raise" and rank == 2:
+        raise ValueError("bad batch on rank 2")
+    if mode == "exit" and rank == 1:
+        sys.exit(3)
+    if mode == "mismatch" and rank == 1:
+        dist.broadcast(torch.ones(1), src=0)
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(rank)  # each rank its own data
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    weights = [torch.empty_like(model.module.weight) for _ in range(world_size)]
+    dist.all_gather(weights, model.module.weight.detach())
+    same = all(torch.equal(weights[0], w) for w in weights)
+    print(f"RANK {rank} same={same} port={os.environ['MASTER_PORT']}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    try:
+        if mode == "nojoin":
+            context = mp.start_processes(train, args=(3, mode), nprocs=3, join=False)
+            while not context.join():
+                pass
+        else:
+            mp.spawn(train, args=(3, mode), nprocs=3, join=True)
+    except mp.ProcessRaisedException as e:
+        print(f"RAISED by process {e.error_index}:{e}")
+        sys.exit(5)
+    except mp.ProcessExitedException as e:
+        print(f"EXITED process {e.error_index} code {e.exit_code}: {e}")
+        sys.exit(6)
+    print("PARENT done, its MASTER_PORT", os.environ["MASTER_PORT"])
+"""
+
+
+@pytest.mark.parametrize("mode", ["join", "nojoin"])
+def test_a_script_that_spawns_its_ranks_runs_them_as_aiocoll_ranks(tmp_path: Path, mode: str) -> None:
+    name = script(tmp_path, "tutorial.py", SPAWNING)
+    done = run(tmp_path, name, mode)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # each rank's DDP replica ended equal to the others'; each set its own environment
+    assert sorted(line for line in lines if line.startswith("RANK")) == [
+        f"RANK {r} same=True port=12355" for r in range(3)
+    ]
+    # the parent goes on after the ranks: its environment is its own (torchrun's, one worker)
+    assert lines[-1] == "PARENT done, its MASTER_PORT 29500"
+
+
+def test_a_spawned_rank_that_fails_fails_the_spawn_call_as_torch_s_does(tmp_path: Path) -> None:
+    name = script(tmp_path, "tutorial.py", SPAWNING)
+    raised = run(tmp_path, name, "raise")
+    assert raised.returncode == 1, raised.stderr  # the script's sys.exit(5): a failed rank, as torchrun's
+    out = raised.stdout
+    assert "RAISED by process 2:" in out
+    assert "-- Process 2 terminated with the following error:" in out
+    # the child's traceback starts in the script, as a process's would
+    assert 'Traceback (most recent call last):\n  File "tutorial.py", line 19, in train' in out, out
+    assert "ValueError: bad batch on rank 2" in out
+    assert "Root Cause (first observed failure): exitcode 5" in raised.stderr
+
+    exited = run(tmp_path, name, "exit")
+    assert "EXITED process 1 code 3: process 1 terminated with exit code 3" in exited.stdout, exited.stderr
+
+    mismatch = run(tmp_path, name, "mismatch")
+    out = mismatch.stdout
+    # where processes would hang: the mismatch, reported with each rank's call and line
+    assert "CollectiveMismatchError" in out, out + mismatch.stderr
+    assert "rank 1: broadcast(float32[1], src=0) at tutorial.py:23" in out
+    assert re.search(r"rank 0: \w+\(.*\) at tutorial.py:25\n", out), out  # DDP's first collective, at DDP(...)
+
+
+def test_a_signal_during_spawn_says_where_the_spawned_ranks_were(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "loop.py",
+        """
+        import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+        def work(rank, n):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:23456", rank=rank, world_size=n)
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            if rank == 0:
+                print("STARTED", flush=True)
+            while True:
+                dist.all_reduce(t)
+
+        if __name__ == "__main__":
+            mp.spawn(work, args=(3,), nprocs=3)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiocoll", "run", name],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "STARTED"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    lines = err.splitlines()
+    assert "  rank 0: running at loop.py:14 in <module>: mp.spawn(work, args=(3,), nprocs=3)" in lines, err
+    spawned = lines.index("  torch.multiprocessing.spawn(work):")
+    for rank in range(3):
+        assert lines[spawned + 1 + rank].startswith(f"    rank {rank}: "), err
+        assert lines[spawned + 1 + rank].endswith("at loop.py:11 in work: dist.all_reduce(t)"), err
