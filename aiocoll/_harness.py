@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from . import _c10d, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
-from ._config import WorldConfig
+from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
@@ -256,6 +257,7 @@ class InProcessWorld:
         self._started = 0.0
         self._entered = False  # the process-wide patches are in force for this world
         self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
+        self.options: WorldOptions = {}  # more of the world's configuration (aiocoll run's --trace, ...)
         self.grace = GRACE  # seconds ranks get to wind down once cancelled, before they are left behind
         self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted
 
@@ -364,7 +366,8 @@ class InProcessWorld:
                     _procstate.unbind()
                     _here.world = None
 
-        await WorldRun(rank_fn, WorldConfig(self.size, timeout=self.collective_timeout, c10d="state")).run()
+        config = WorldConfig.of(self.size, {**self.options, "timeout": self.collective_timeout}, caller=self.name)
+        await WorldRun(rank_fn, dataclasses.replace(config, c10d="state")).run()
 
     def places(self) -> dict[int, RankPlace]:
         """Where each rank still running is now: its stack from its own code in, and its state."""

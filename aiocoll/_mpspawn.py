@@ -29,7 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from . import _harness, _outcome
+from . import _harness, _outcome, _runlogs
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -107,8 +107,10 @@ class Starter:
             raise TypeError(f"torch.multiprocessing.spawn: fn must be callable, got {type(fn).__name__}")
         failures: list[tuple[int, BaseException]] = []
         name = getattr(fn, "__qualname__", repr(fn))
+        writes_as = _runlogs.rank_of_output.rank  # a child process writes to its parent's streams
 
         def rank_main(rank: int) -> None:
+            _runlogs.rank_of_output.rank = writes_as
             try:
                 fn(rank, *args)
             except KeyboardInterrupt:

@@ -22,16 +22,21 @@ import contextlib
 import os
 import runpy
 import signal
+import socket
 import sys
 import sysconfig
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from types import CodeType
+from typing import NamedTuple
 
-from . import _harness, _mpspawn, _torch
-from ._config import DEFAULT_TIMEOUT
+import torch
+
+from . import _harness, _mpspawn, _runlogs, _torch
+from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
 
 __all__ = ["main", "parser", "worker_env"]
 
@@ -51,42 +56,59 @@ _NO_DEADLINE = 7 * 24 * 3600.0
 
 
 def parser() -> argparse.ArgumentParser:
-    """torchrun's command line (its options under both spellings), plus aiocoll's own."""
+    """torchrun's own command line (this torch's: its options, spellings, defaults and help), plus aiocoll's."""
+    from torch.distributed.run import get_args_parser  # (public; about 0.05 s to import)
+
     p = argparse.ArgumentParser(
         prog="aiocoll run",
         description=(
             "Run a torchrun script with every rank in this process, as aiocoll sync ranks: "
-            "mismatched collectives, deadlocks and ranks that leave are reported at once."
+            "mismatched collectives, deadlocks and ranks that leave are reported at once. "
+            "torchrun's options are accepted under torchrun's spellings; those one process cannot honour "
+            "(--nnodes above 1, --node-rank, --no-python, --virtual-local-rank, --logs-specs, "
+            "--duplicate-std*-filters) are refused with the reason, and those about processes and "
+            "rendezvous (--rdzv-*, --start-method, --monitor-interval, ...) are accepted and have nothing to do."
         ),
         epilog="Example: aiocoll run --nproc-per-node 4 train.py --epochs 1",
+        parents=[get_args_parser()],
+        conflict_handler="resolve",  # (both have -h)
     )
-
-    def opt(*names: str, **kw: object) -> None:
-        spelled = [*names, *("--" + n[2:].replace("-", "_") for n in names if n.startswith("--") and "-" in n[2:])]
-        p.add_argument(*spelled, **kw)  # type: ignore[arg-type]
-
-    opt("--nproc-per-node", dest="nproc_per_node", default="1", help="ranks to run (torchrun's: an int; default 1)")
-    opt("--nnodes", default="1", help="only 1 (or 1:1): every rank runs in this process")
-    opt("--node-rank", dest="node_rank", type=int, default=0, help="only 0")
-    opt("--standalone", action="store_true", help="accepted (a run is always standalone)")
-    opt("--master-addr", dest="master_addr", default="127.0.0.1", help="MASTER_ADDR the ranks read")
-    opt("--master-port", dest="master_port", type=int, default=29500, help="MASTER_PORT the ranks read")
-    opt("--rdzv-backend", dest="rdzv_backend", default="static", help="accepted; no rendezvous is needed")
-    opt("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="accepted; no rendezvous is needed")
-    opt("--rdzv-id", dest="rdzv_id", default="none", help="TORCHELASTIC_RUN_ID the ranks read")
-    opt("--rdzv-conf", dest="rdzv_conf", default="", help="accepted; no rendezvous is needed")
-    opt("--max-restarts", dest="max_restarts", type=int, default=0, help="run the world again up to N times")
-    opt("--role", default="default", help="ROLE_NAME the ranks read")
-    opt("--run-path", dest="run_path", action="store_true", help="accepted: the script is run by its path")
-    opt("-m", "--module", action="store_true", help="the script is a module: run it as 'python -m' would")
-    opt("--no-python", dest="no_python", action="store_true", help="refused: a rank runs Python code")
-    opt("--timeout", type=float, default=DEFAULT_TIMEOUT, help="aiocoll: seconds a rank may wait in one collective")
-    p.add_argument("script", help="the script (or, with -m, the module) each rank runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    own = p.add_argument_group("aiocoll's own options")
+    own.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds a rank may wait in one collective")
+    own.add_argument("--schedule-seed", type=int, default=None, help="run the ranks in a seeded random turn order")
+    own.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace of every collective")
+    own.add_argument(
+        "--record", type=int, default=DEFAULT_RECORD, metavar="N", help="flight recorder: the last N ops of each rank"
+    )
+    own.add_argument(
+        "--sync-ranks",
+        choices=["turns", "parallel"],
+        default="turns",
+        help="turns: one rank runs at a time (default); parallel: ranks run at once where their work frees the GIL",
+    )
     return p
 
 
-def worker_env(rank: int, size: int, args: argparse.Namespace, restart: int = 0) -> dict[str, str]:
+class _Rendezvous(NamedTuple):
+    """What torchrun's agent would tell the workers about the rendezvous."""
+
+    run_id: str
+    master_addr: str
+    master_port: int
+
+
+def _rendezvous(args: argparse.Namespace) -> _Rendezvous:
+    """torchrun's choice: a standalone run (or one with no port given) gets a new run id and a free port."""
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
+        with socket.socket() as s:  # (a port the script may read; no rendezvous happens on it)
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        return _Rendezvous(str(uuid.uuid4()), "localhost", port)
+    port = args.master_port if args.master_port is not None else 29500
+    return _Rendezvous(args.rdzv_id, args.master_addr, port)
+
+
+def worker_env(rank: int, size: int, args: argparse.Namespace, rdzv: _Rendezvous, restart: int = 0) -> dict[str, str]:
     """The variables torchrun's agent sets for worker ``rank`` of ``size`` (one node, one group)."""
     env = {
         "RANK": str(rank),
@@ -98,14 +120,16 @@ def worker_env(rank: int, size: int, args: argparse.Namespace, restart: int = 0)
         "WORLD_SIZE": str(size),
         "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(size),
-        "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": str(args.master_port),
+        "MASTER_ADDR": rdzv.master_addr,
+        "MASTER_PORT": str(rdzv.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
-        "TORCHELASTIC_RUN_ID": args.rdzv_id,
+        "TORCHELASTIC_RUN_ID": rdzv.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+    if getattr(args, "signals_to_handle", None):  # (torchrun's from 2.13 on; older ones have no such option)
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun does (it prints a warning about it)
     return env
@@ -140,6 +164,20 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, saved)
 
 
+def _nproc(value: str) -> int:
+    """``--nproc-per-node``, as torchrun reads it: an int, ``cpu``, ``gpu`` or ``auto`` (GPUs, else CPUs)."""
+    if value in ("gpu", "auto") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if value == "gpu":
+        raise _Refused("--nproc-per-node gpu: CUDA is not available")
+    if value in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    try:
+        return int(value)
+    except ValueError:
+        raise _Refused(f"--nproc-per-node {value!r}: give the number of ranks (an int), cpu, gpu or auto") from None
+
+
 def _size(args: argparse.Namespace) -> int:
     if args.nnodes not in ("1", "1:1"):
         raise _Refused(
@@ -150,10 +188,17 @@ def _size(args: argparse.Namespace) -> int:
         raise _Refused(f"--node-rank {args.node_rank}: a run has one node, rank 0")
     if args.no_python:
         raise _Refused("--no-python: each rank runs Python code in this process")
-    try:
-        n = int(args.nproc_per_node)
-    except ValueError:
-        raise _Refused(f"--nproc-per-node {args.nproc_per_node!r}: give the number of ranks (an int)") from None
+    if getattr(args, "virtual_local_rank", False):
+        raise _Refused(
+            "--virtual-local-rank: it gives each rank CUDA_VISIBLE_DEVICES of its own, which only a process of its "
+            "own reads; without it rank r uses cuda:LOCAL_RANK"
+        )
+    if getattr(args, "logs_specs", None):
+        raise _Refused(f"--logs-specs {args.logs_specs}: output is routed as torchrun's default logs spec does")
+    for flag in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if getattr(args, flag):
+            raise _Refused(f"--{flag.replace('_', '-')}: not supported by aiocoll run yet; run under torchrun")
+    n = _nproc(args.nproc_per_node)
     if n < 1:
         raise _Refused(f"--nproc-per-node {n}: at least one rank")
     if args.max_restarts < 0:
@@ -161,12 +206,32 @@ def _size(args: argparse.Namespace) -> int:
     return n
 
 
-def _rank_main(args: argparse.Namespace, code: CodeType | None, size: int, restart: int) -> Callable[[int], None]:
-    """What each rank runs: the script's ``code`` (None: the module ``args.script``)."""
-    script = args.script
+def _logs_spec(args: argparse.Namespace) -> _runlogs.LogsSpec:
+    try:
+        redirects = _runlogs.Std.parse(args.redirects, "--redirects")
+        tee = _runlogs.Std.parse(args.tee, "--tee")
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+    try:
+        shown = frozenset(int(r) for r in args.local_ranks_filter.split(",") if r.strip())
+    except ValueError:
+        raise _Refused(f"--local-ranks-filter {args.local_ranks_filter!r}: give ranks, e.g. 0,1") from None
+    template = getattr(args, "log_line_prefix_template", "") or ""  # (torchrun's from 2.15 on)
+    return _runlogs.LogsSpec(args.log_dir, redirects, tee, shown, args.role, template)
+
+
+def _rank_main(
+    args: argparse.Namespace, code: CodeType | None, size: int, restart: int, attempt_dir: str, rdzv: _Rendezvous
+) -> Callable[[int], None]:
+    """What each rank runs: the script's ``code`` (None: the module ``args.training_script``)."""
+    script = args.training_script
 
     def rank_main(rank: int) -> None:
-        os.environ.update(worker_env(rank, size, args, restart))  # this rank's view (see _procstate)
+        _runlogs.rank_of_output.rank = rank  # (what this thread prints goes where the rank's stream does)
+        env = worker_env(rank, size, args, rdzv, restart)
+        # where torch.distributed.elastic's @record writes the rank's failure, as under torchrun
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
+        os.environ.update(env)  # this rank's view (see _procstate)
         try:
             if code is not None:
                 # a module namespace of its own, as `python script.py` gives each process;
@@ -194,28 +259,37 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     args = parser().parse_args(argv)
     try:
         size = _size(args)
+        logs = _logs_spec(args)
     except _Refused as e:
         print(f"aiocoll run: {e}", file=sys.stderr)
         return 2
-    if not args.module and not os.path.isfile(args.script):
-        print(f"aiocoll run: can't open file {args.script!r}: no such file", file=sys.stderr)
+    if not args.module and not os.path.isfile(args.training_script):
+        print(f"aiocoll run: can't open file {args.training_script!r}: no such file", file=sys.stderr)
         return 2  # as python's own
-    script_dir = os.path.dirname(os.path.abspath(args.script)) if not args.module else os.getcwd()
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [args.script, *args.script_args]
-    sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
     try:
-        script_code = None
-        if not args.module:
-            with open(args.script, "rb") as f:  # (read once: every rank and restart runs the same code)
-                script_code = compile(f.read(), args.script, "exec")
-    except SyntaxError as e:
-        traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
-        return 1
+        rdzv = _rendezvous(args)
+        run_dir = logs.make_run_dir(rdzv.run_id)  # (each rank's error file, and its logs if routed)
+    except OSError as e:
+        print(f"aiocoll run: --log-dir {args.log_dir}: {e}", file=sys.stderr)
+        return 2
+    script_code = None
+    if not args.module:
+        try:
+            with open(args.training_script, "rb") as f:  # (read once: every rank and restart runs the same code)
+                script_code = compile(f.read(), args.training_script, "exec")
+        except SyntaxError as e:
+            traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
+            return 1
+    script_dir = os.path.dirname(os.path.abspath(args.training_script)) if not args.module else os.getcwd()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [args.training_script, *args.training_script_args]
+    sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
     try:
         with _sigterm_interrupts(), _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned:
             for restart in range(args.max_restarts + 1):
-                code = _run_once(args, _rank_main(args, script_code, size, restart), size, spawned)
+                with _runlogs.routed_output(logs, run_dir, restart, size) as attempt_dir:
+                    rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv)
+                    code = _run_once(args, rank_main, size, spawned)
                 if code is None:  # interrupted: no restart; 1 as torchrun's
                     if exit_when_interrupted:
                         sys.stdout.flush()
@@ -234,8 +308,14 @@ def _run_once(
     args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
 ) -> int | None:
     """One run of the world: its exit code, or None if a signal interrupted it."""
-    world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.script}")
+    world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}")
     world.grace = _WIND_DOWN
+    world.options = {
+        "record": args.record,
+        "trace": args.trace,
+        "schedule_seed": args.schedule_seed,
+        "sync_ranks": args.sync_ranks,
+    }
     started = time.time()
     _torch.prepare_for_rank_threads()
     with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):
@@ -253,7 +333,8 @@ def _run_once(
             return None
     if end.needs_process is not None:
         print(
-            f"aiocoll run: {args.script} needs processes of its own ({end.needs_process}); run it under torchrun",
+            f"aiocoll run: {args.training_script} needs processes of its own ({end.needs_process}); "
+            "run it under torchrun",
             file=sys.stderr,
         )
         return 1
