@@ -1,0 +1,154 @@
+"""``aiocoll run`` against ``torchrun``: the same scripts, the same options, compared on what they print.
+
+Each case runs the script under torchrun (``python -m torch.distributed.run``, this torch's)
+and under ``aiocoll run``, and compares the exit codes, the script's lines on stdout and on
+stderr (sorted: torchrun's workers write side by side, in no fixed order), the log files
+written per rank, and the environment variables each rank sees (names; values where they do
+not depend on the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    t = torch.tensor([float(r + 1)])
+    dist.all_reduce(t)
+    if "two-writes" in sys.argv:  # (where torchrun's workers share the console, partial lines would interleave)
+        print(f"SCRIPT {r}: sum {t.item():g}", end="")
+        print(" (one line, two writes)")
+    else:  # (one write each: torchrun's workers write unbuffered, side by side)
+        print(f"SCRIPT {r}: sum {t.item():g}\n", end="")
+    print(f"SCRIPT {r}: to stderr\n", end="", file=sys.stderr)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "LOCAL_",
+           "WORLD_", "GROUP_", "ROLE_", "OMP_NUM_THREADS"))}
+    print("SCRIPT ENV " + json.dumps(env, sort_keys=True) + "\n", end="")
+    if "fail" in sys.argv and r == 1:
+        raise ValueError("rank 1 fails")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main()
+"""
+
+# values that depend on the run (a run id, a free port, a temporary directory): compared by name only
+_RUN_SPECIFIC = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+
+
+def _launch(launcher: list[str], tmp: Path, options: list[str], args: list[str]) -> tuple[int, list[str], list[str]]:
+    logs = tmp / "logs"
+    # --standalone: torchrun picks a free port (without it, torch 2.10's takes 29500, and runs side by side clash)
+    standalone = [] if "--master-port" in options else ["--standalone"]
+    proc = subprocess.run(
+        [*launcher, "--nproc-per-node", "2", *standalone, "--log-dir", str(logs), *options, "script.py", *args],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    out = [line for line in proc.stdout.splitlines() if "SCRIPT" in line]
+    err = [line for line in proc.stderr.splitlines() if "SCRIPT" in line]
+    return proc.returncode, out, err
+
+
+def _log_files(tmp: Path) -> dict[str, str]:
+    """``attempt_0/<rank>/<stream>.log`` -> its lines, sorted (the run directory's name is the run's)."""
+    files = {}
+    for path in sorted((tmp / "logs").glob("*/attempt_*/*/*.log")):
+        key = "/".join(path.parts[-3:])
+        # (the script's lines: torch 2.10's gloo also prints its own "[Gloo] Rank 0 is connected ...")
+        files[key] = "\n".join(sorted(line for line in path.read_text().splitlines() if "SCRIPT" in line))
+    return files
+
+
+def _environments(lines: list[str]) -> list[dict[str, str]]:
+    envs = []
+    for line in lines:
+        if "SCRIPT ENV " in line:
+            env = json.loads(line.split("SCRIPT ENV ", 1)[1])
+            envs.append({k: ("<run>" if k in _RUN_SPECIFIC else v) for k, v in env.items()})
+    return sorted(envs, key=lambda e: e["RANK"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        ["--tee", "3", "--local-ranks-filter", "1"],
+        ["--redirects", "3", "--tee", "0:1"],
+    ],
+    ids=["plain", "tee-filtered", "redirected-one-teed"],
+)
+def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[str]) -> None:
+    results = {}
+    for name, launcher in {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
+    }.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+        code, out, err = _launch(launcher, tmp, options, ["two-writes"] if options else [])
+        results[name] = (code, sorted(out), sorted(err), _log_files(tmp))
+    torchrun, aiocoll = results["torchrun"], results["aiocoll"]
+    assert torchrun[0] == aiocoll[0] == 0
+    # the environment: the same variables, with the same values where they are not the run's own
+    assert _environments(aiocoll[1] + aiocoll[3].get("0/stdout.log", "").splitlines()) == _environments(
+        torchrun[1] + torchrun[3].get("0/stdout.log", "").splitlines()
+    )
+
+    def without_env(lines: list[str]) -> list[str]:
+        return [line for line in lines if "SCRIPT ENV" not in line]
+
+    assert without_env(aiocoll[1]) == without_env(torchrun[1])  # stdout, prefixes included
+    assert aiocoll[2] == torchrun[2]  # stderr
+    assert sorted(aiocoll[3]) == sorted(torchrun[3])  # the same log files
+    for key, text in torchrun[3].items():
+        assert without_env(aiocoll[3][key].splitlines()) == without_env(text.splitlines()), key
+
+
+def test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file(tmp_path: Path) -> None:
+    codes = {}
+    for name, launcher in {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
+    }.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+        codes[name], _, _ = _launch(launcher, tmp, [], ["fail"])
+        # @record wrote the failing rank's error file where TORCHELASTIC_ERROR_FILE said, and only its
+        error_files = sorted(p.parts[-2] for p in (tmp / "logs").glob("*/attempt_0/*/error.json"))
+        assert error_files == ["1"], name
+        error = json.loads(next((tmp / "logs").glob("*/attempt_0/1/error.json")).read_text())
+        assert "rank 1 fails" in error["message"]["message"], name
+    assert codes["aiocoll"] == codes["torchrun"] == 1
+
+
+def test_run_specific_values_are_chosen_as_torchrun_chooses_them(tmp_path: Path) -> None:
+    """With --master-port given, torchrun keeps the static rendezvous: that port, run id "none"."""
+    tmp = tmp_path
+    (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+    code, out, _ = _launch([sys.executable, "-m", "aiocoll", "run"], tmp, ["--master-port", "29123"], [])
+    assert code == 0
+    envs = [json.loads(line.split("SCRIPT ENV ", 1)[1]) for line in out if "SCRIPT ENV" in line]
+    assert [(e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs] == [("29123", "none")] * 2
+    for rank, env in sorted((int(e["RANK"]), e) for e in envs):
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(os.path.join("attempt_0", str(rank), "error.json"))
