@@ -202,8 +202,67 @@ def test_what_one_process_cannot_do_is_refused_with_the_reason(tmp_path: Path) -
     assert "can't open file 'nowhere.py'" in missing.stderr
     helped = run(tmp_path, "--help")
     assert helped.returncode == 0
-    for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--timeout"):
-        assert option in helped.stdout
+    for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--tee", "--log-dir"):
+        assert option in helped.stdout  # torchrun's own options, from this torch's parser
+    for option in ("--timeout", "--schedule-seed", "--trace", "--record", "--sync-ranks"):
+        assert option in helped.stdout.split("aiocoll's own options")[1]
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--node-rank", "1"], "--node-rank 1: a run has one node"),
+        (["--nnodes", "1:4"], "--nnodes 1:4: every rank of 'aiocoll run' runs in this process"),
+        (["--no-python"], "--no-python: each rank runs Python code"),
+        (["--logs-specs", "mine"], "--logs-specs mine: output is routed as torchrun's default"),
+        (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters: not supported by aiocoll run yet"),
+        (["--tee", "4"], "--tee '4': give 0, 1, 2 or 3"),
+        (["--redirects", "0:1,x"], "--redirects '0:1,x': give 0, 1, 2 or 3"),
+        (["--local-ranks-filter", "a"], "--local-ranks-filter 'a': give ranks"),
+        (["--nproc-per-node", "many"], "--nproc-per-node 'many': give the number of ranks"),
+        (["--nproc-per-node", "0"], "--nproc-per-node 0: at least one rank"),
+        (["--max-restarts", "-1"], "--max-restarts -1: a count"),
+    ],
+)
+def test_options_one_process_cannot_honour_are_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], said: str
+) -> None:
+    from aiocoll._run import main
+
+    name = str(tmp_path / script(tmp_path, "x.py", "raise SystemExit('ran')\n"))
+    assert main([*options, name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aiocoll run: ")
+    assert said in err
+
+
+def test_aiocoll_s_own_options_reach_the_world(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "order.py",
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        for _ in range(3):
+            print(f"STEP rank {dist.get_rank()}", flush=True)
+            dist.all_reduce(torch.ones(1))
+        """,
+    )
+    orders = []
+    for _ in range(2):
+        done = run(tmp_path, "--nproc-per-node", "4", "--schedule-seed", "7", "--trace", "trace.json", name)
+        assert done.returncode == 0, done.stderr
+        orders.append([line for line in done.stdout.splitlines() if line.startswith("STEP")])
+    assert orders[0] == orders[1]  # a seeded schedule: the same order each time
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert sum(1 for e in events if "all_reduce" in str(e.get("name", ""))) >= 12  # 3 ops x 4 ranks
+
+    def order(seed: int) -> tuple[str, ...]:
+        return tuple(run(tmp_path, "--nproc-per-node", "4", "--schedule-seed", str(seed), name).stdout.splitlines())
+
+    others = {order(seed) for seed in (1, 2, 3)}
+    assert len(others) > 1  # other seeds, other orders: the option is honoured, not ignored
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
