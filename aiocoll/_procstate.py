@@ -159,6 +159,22 @@ def run_exit_handlers() -> None:
             traceback.print_exc()
 
 
+def _in_forked_child() -> None:
+    """A process forked from a rank's thread (a DataLoader worker, say) is a process of its own.
+
+    It runs on with a copy of that thread, still bound to the rank: it keeps the rank's
+    environment, now as its real one (a child inherits its parent's), and is a rank no
+    more, so that its ``os._exit``, ``time.sleep`` and ``atexit`` are the real ones.
+    """
+    view = _bound.environ
+    unbind()
+    if view is not None:
+        restore_environ({key: view.get(key) for key in view.keys()})
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
+
+
 def bound_rank() -> int | None:
     """The harness rank the calling thread runs, if any."""
     return _bound.rank

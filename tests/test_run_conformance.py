@@ -152,3 +152,34 @@ def test_run_specific_values_are_chosen_as_torchrun_chooses_them(tmp_path: Path)
     assert [(e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs] == [("29123", "none")] * 2
     for rank, env in sorted((int(e["RANK"]), e) for e in envs):
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(os.path.join("attempt_0", str(rank), "error.json"))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [ROOT / "examples" / "ddp_train.py", ROOT / "tests" / "scripts" / "fsdp2_dcp.py"],
+    ids=["ddp-dataloader-checkpoint", "fsdp2-dcp"],
+)
+def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) -> None:
+    """DDP with DataLoader worker processes and a checkpoint; FSDP2 with distributed checkpoint."""
+    printed = {}
+    for name, launcher in {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
+    }.items():
+        checkpoint = tmp_path / name
+        proc = subprocess.run(
+            [*launcher, "--nproc-per-node", "4", str(path), str(checkpoint)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+        printed[name] = [line for line in proc.stdout.splitlines() if line.startswith("world 4:")]
+    assert len(printed["torchrun"]) == 1
+    assert printed["aiocoll"] == printed["torchrun"]  # the same losses and weights, to the printed digit
+    assert printed["aiocoll"][0].endswith("True")  # and the checkpoint restored what was saved
