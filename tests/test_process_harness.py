@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -806,3 +807,33 @@ def test_atexit_registrations_of_libraries_and_imports_stay_the_processs() -> No
     assert RankExit._the_process_s(frame("f", os.path.join(os.path.dirname(torch.__file__), "x.py")))
     assert RankExit._the_process_s(frame("<module>", __file__))  # an import of the test's own
     assert not RankExit._the_process_s(frame("test_handlers", __file__))
+
+
+def _forked_child(seen: Any) -> None:
+    seen.put(os.environ.get("AIOCOLL_TEST_FORKED"))
+    seen.close()
+    seen.join_thread()
+    os._exit(3)  # a process's own exit: refused in a rank, as it would end every rank
+
+
+def test_a_process_forked_by_a_rank_is_a_process_of_its_own() -> None:
+    """A DataLoader worker, say: it inherits its rank's environment, and its exit is its own (it hung before)."""
+    from aiocoll._harness import InProcessWorld
+
+    fork = multiprocessing.get_context("fork")
+    got: dict[int, tuple[int | None, str]] = {}
+
+    def rank_main(rank: int) -> None:
+        os.environ["AIOCOLL_TEST_FORKED"] = f"rank {rank}"
+        seen = fork.Queue()
+        child = fork.Process(target=_forked_child, args=(seen,))
+        child.start()
+        got[rank] = (None, seen.get(timeout=30))
+        child.join(30)
+        got[rank] = (child.exitcode, got[rank][1])
+
+    end = InProcessWorld(2, 30.0, 60.0, "a test that forks").run(rank_main)
+    assert end.error is None, end.error
+    assert end.needs_process is None
+    assert got == {0: (3, "rank 0"), 1: (3, "rank 1")}
+    assert "AIOCOLL_TEST_FORKED" not in os.environ
