@@ -116,6 +116,10 @@ class RankEnviron:
         out += [k for k, v in self._own.items() if v is not None and k not in self._base]
         return out
 
+    def as_dict(self) -> dict[str, str]:
+        """The rank's whole environment, as a process of its own would have it."""
+        return {key: self.get(key) for key in self.keys()}
+
     def __repr__(self) -> str:
         return f"<RankEnviron {len(self._own)} change(s) over {len(self._base)} variables>"
 
@@ -169,7 +173,7 @@ def _in_forked_child() -> None:
     view = _bound.environ
     unbind()
     if view is not None:
-        restore_environ({key: view.get(key) for key in view.keys()})
+        restore_environ(view.as_dict())
 
 
 os.register_at_fork(after_in_child=_in_forked_child)

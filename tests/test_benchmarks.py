@@ -288,3 +288,18 @@ def test_bench_cuda_quick_on_the_cpu() -> None:
         assert all(float(cell.replace(",", "")) > 0 for cell in row[4:8]), row  # every system ran
         assert all(cell.endswith("x") for cell in row[8:]), row
     assert "could not run" not in proc.stdout
+
+
+def test_bench_run_quick() -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_run.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--rounds", "1", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("small: torchrun", "small: aiocoll run", "small: spawn (python -c)", "ddp: aiocoll run"):
+        assert re.search(rf"^{re.escape(row)} +\d+\.\d\d ", proc.stdout, re.MULTILINE), proc.stdout
+    assert "torchrun / aiocoll run" in proc.stdout
