@@ -37,14 +37,22 @@ __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 class SpawnedContext:
     """What ``mp.spawn(..., join=False)`` returns here: ``join()`` as torch's ``ProcessContext``'s."""
 
-    def __init__(self, world: _harness.InProcessWorld, failures: list[tuple[int, BaseException]]) -> None:
-        self._world = world
+    def __init__(
+        self, world: _harness.InProcessWorld, failures: list[tuple[int, BaseException]], daemon: bool = False
+    ) -> None:
+        self.daemon = daemon  # as torch's: at exit, daemon processes are stopped, the others waited for
+        self.world = world
         self._failures = failures
         self._joined = False
 
+    @property
+    def joined(self) -> bool:
+        """Whether ``join()`` has seen the ranks end (and ended their world)."""
+        return self._joined
+
     def pids(self) -> list[int]:
         """Every rank's "process" is this one."""
-        return [os.getpid()] * self._world.size
+        return [os.getpid()] * self.world.size
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Whether every rank has ended (``timeout``: seconds to wait; None, until then).
@@ -54,15 +62,21 @@ class SpawnedContext:
         """
         if self._joined:
             return True
-        if not self._world.wait(timeout):
+        if not self.world.wait(timeout):
             return False
-        end = self._world.end()
+        end = self.world.end()
         self._joined = True
         _raise_first_failure(self._failures, end.error, os.getpid())
         return True
 
+    def abandon(self) -> None:
+        """End the world without waiting for its ranks (those that do not end are left behind)."""
+        if not self._joined:
+            self._joined = True
+            self.world.end()
+
     def __repr__(self) -> str:
-        return f"<SpawnedContext ranks={self._world.size} {'joined' if self._joined else 'running'}>"
+        return f"<SpawnedContext ranks={self.world.size} {'joined' if self._joined else 'running'}>"
 
 
 def _raise_first_failure(failures: list[tuple[int, BaseException]], error: BaseException | None, pid: int) -> None:
@@ -86,11 +100,22 @@ class Starter:
     def __init__(self, timeout: float | None, deadline: float) -> None:
         self.timeout = timeout
         self.deadline = deadline
-        self.worlds: list[_harness.InProcessWorld] = []  # those started, for a report of where they were
+        self.contexts: list[SpawnedContext] = []  # every call's, for a report of where its ranks were
 
-    def running(self) -> list[_harness.InProcessWorld]:
-        """The worlds started here that have not ended yet."""
-        return [w for w in self.worlds if not w.ended]
+    def finish(self) -> None:
+        """The calls with ``join=False`` never joined, as at their parent process's exit.
+
+        multiprocessing's exit waits for non-daemon children; daemon ones are stopped.
+        """
+        for context in self.contexts:
+            if not context.joined:
+                if not context.daemon:
+                    context.world.wait(None)
+                context.abandon()
+
+    def running(self) -> list[SpawnedContext]:
+        """The calls whose ranks have not all ended yet."""
+        return [c for c in self.contexts if not c.joined and not c.world.ended]
 
     def start_processes(
         self,
@@ -124,14 +149,14 @@ class Starter:
 
         world = _harness.InProcessWorld(nprocs, self.timeout, self.deadline, f"torch.multiprocessing.spawn({name})")
         world.start(rank_main)
-        self.worlds.append(world)
-        context = SpawnedContext(world, failures)
+        context = SpawnedContext(world, failures, daemon)
+        self.contexts.append(context)
         if not join:
             return context
         try:
             context.join()
         except BaseException:
-            world.end()  # (an interrupted join: take the ranks down; ends again are harmless)
+            context.abandon()  # (an interrupted join: take the ranks down; nothing to do once joined)
             raise
         return None
 
@@ -163,3 +188,4 @@ def spawned_ranks(timeout: float | None, deadline: float) -> Iterator[Starter]:
     finally:
         for name, fn in saved.items():
             setattr(mp, name, fn)
+        starter.finish()

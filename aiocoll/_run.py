@@ -321,15 +321,17 @@ def _run_once(
     with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):
         try:
             end = world.run(rank_main)
+            spawned.finish()  # (ranks the script started and left running end before its groups do)
         except (KeyboardInterrupt, _Signalled) as e:
             signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
             _report_interrupted(signal.Signals(signum), world.interrupted_at, size)
-            for inner in spawned.running():  # the ranks the script started with torch.multiprocessing
+            for spawn_call in spawned.running():  # the ranks the script started with torch.multiprocessing
+                inner = spawn_call.world
                 with contextlib.suppress(Exception):
                     print(f"  {inner.name}:", file=sys.stderr)
                     _report_places(inner.places(), inner.size, "    ")
                 inner.grace = _WIND_DOWN
-                inner.end()
+                spawn_call.abandon()
             return None
     if end.needs_process is not None:
         print(

@@ -459,3 +459,30 @@ def test_a_signal_during_spawn_says_where_the_spawned_ranks_were(tmp_path: Path)
     for rank in range(3):
         assert lines[spawned + 1 + rank].startswith(f"    rank {rank}: "), err
         assert lines[spawned + 1 + rank].endswith("at loop.py:11 in work: dist.all_reduce(t)"), err
+
+
+def test_spawned_ranks_left_unjoined_finish_as_at_a_process_s_exit(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "unjoined.py",
+        """
+        import time
+        import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+        def work(rank, n):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:23456", rank=rank, world_size=n)
+            time.sleep(0.5)  # still running when the parent's code ends
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            print(f"CHILD {rank} got {t.item():g}", flush=True)
+
+        if __name__ == "__main__":
+            mp.start_processes(work, args=(3,), nprocs=3, join=False)
+            print("PARENT done", flush=True)
+        """,
+    )
+    done = run(tmp_path, name)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "PARENT done"
+    assert sorted(lines[1:]) == [f"CHILD {r} got 3" for r in range(3)]  # waited for, as non-daemon children
