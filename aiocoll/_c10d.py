@@ -475,7 +475,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._check("all_to_all", opts)
         return self._work([self._comm.all_to_all(_us(outputs), _us(inputs))], outputs)
 
-    def all_to_all_single(  # type: ignore[override]
+    def all_to_all_single(  # type: ignore[override,unused-ignore]  # (matches torch 2.10's stub)
         self,
         output: torch.Tensor,
         input: torch.Tensor,

@@ -139,7 +139,7 @@ def issue(call: Call) -> Issue | None:
     ready = []
     for d in devices:
         e = _hw.event()
-        e.record(_hw.current_stream(d))
+        e.record(_hw.current_stream(d))  # type: ignore[no-untyped-call,unused-ignore]  # (untyped in torch 2.10)
         ready.append(e)
     return Issue(devices[0], ready)
 
@@ -214,10 +214,10 @@ def _enqueue(
         s = sides[op_dev]
         for d in devices[1:]:  # one event to cover the other devices' copies too
             e = hw.event()
-            e.record(sides[d])
+            e.record(sides[d])  # type: ignore[no-untyped-call,unused-ignore]  # (untyped in torch 2.10)
             s.wait_event(e)
         done = hw.event()
-        done.record(s)
+        done.record(s)  # type: ignore[no-untyped-call,unused-ignore]  # (untyped in torch 2.10)
 
     @torch.no_grad()
     def finish() -> list[object]:
