@@ -160,16 +160,7 @@ class Starter:
             raise
         return None
 
-    def spawn(
-        self,
-        fn: Callable[..., object],
-        args: tuple[Any, ...] = (),
-        nprocs: int = 1,
-        join: bool = True,
-        daemon: bool = False,
-        start_method: str = "spawn",
-    ) -> SpawnedContext | None:
-        return self.start_processes(fn, args, nprocs, join, daemon, start_method)
+    spawn = start_processes  # (torch's two take the same arguments; spawn calls start_processes)
 
 
 _SPAWNERS = ("spawn", "start_processes")

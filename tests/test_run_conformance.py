@@ -68,6 +68,23 @@ def _launch(launcher: list[str], tmp: Path, options: list[str], args: list[str])
     return proc.returncode, out, err
 
 
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
+}
+
+
+def _both(tmp_path: Path) -> list[tuple[str, list[str], Path]]:
+    """Each launcher with a directory of its own holding ``SCRIPT`` as ``script.py``."""
+    out = []
+    for name, launcher in LAUNCHERS.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+        out.append((name, launcher, tmp))
+    return out
+
+
 def _log_files(tmp: Path) -> dict[str, str]:
     """``attempt_0/<rank>/<stream>.log`` -> its lines, sorted (the run directory's name is the run's)."""
     files = {}
@@ -98,13 +115,7 @@ def _environments(lines: list[str]) -> list[dict[str, str]]:
 )
 def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[str]) -> None:
     results = {}
-    for name, launcher in {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
-    }.items():
-        tmp = tmp_path / name
-        tmp.mkdir()
-        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+    for name, launcher, tmp in _both(tmp_path):
         code, out, err = _launch(launcher, tmp, options, ["two-writes"] if options else [])
         results[name] = (code, sorted(out), sorted(err), _log_files(tmp))
     torchrun, aiocoll = results["torchrun"], results["aiocoll"]
@@ -126,13 +137,7 @@ def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[s
 
 def test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file(tmp_path: Path) -> None:
     codes = {}
-    for name, launcher in {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
-    }.items():
-        tmp = tmp_path / name
-        tmp.mkdir()
-        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+    for name, launcher, tmp in _both(tmp_path):
         codes[name], _, _ = _launch(launcher, tmp, [], ["fail"])
         # @record wrote the failing rank's error file where TORCHELASTIC_ERROR_FILE said, and only its
         error_files = sorted(p.parts[-2] for p in (tmp / "logs").glob("*/attempt_0/*/error.json"))
@@ -166,8 +171,8 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
     """DDP with DataLoader worker processes and a checkpoint; FSDP2 with distributed checkpoint."""
     printed = {}
     for name, launcher in {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
-        "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
+        "torchrun": [*LAUNCHERS["torchrun"], "--standalone"],
+        "aiocoll": LAUNCHERS["aiocoll"],
     }.items():
         checkpoint = tmp_path / name
         proc = subprocess.run(
