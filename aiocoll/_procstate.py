@@ -15,6 +15,8 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   in a rank thread instead of ending, disturbing or hanging the whole test process (or
   configuring it for every rank and the rest of the run); the harness then runs that
   test in processes after all.
+- ``RankLogging`` (``_logstate``): each rank's ``logging`` configuration, handlers,
+  levels and all; what it added is flushed and closed when the rank ends.
 - ``RankExit``: what a rank's test code registers with ``atexit`` runs when the rank
   ends, as its process's exit would run it, not when the test run ends.
 - ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
@@ -35,8 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
-import logging.config
 import os
 import signal
 import sys
@@ -50,6 +50,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from ._logstate import RankLogging, descriptors
 
 if TYPE_CHECKING:
     from ._torch import Store
@@ -125,7 +127,7 @@ class RankEnviron:
 
 
 # what a class or module gets while harness worlds run: (owner, attribute name, replacement)
-Patch = tuple[object, str, Callable[..., object]]
+Patch = tuple[object, str, object]
 
 
 class _Bound(threading.local):
@@ -133,6 +135,7 @@ class _Bound(threading.local):
     environ: RankEnviron | None = None
     pause: Callable[[float], None] | None = None
     exits: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] | None = None
+    logging: RankLogging | None = None
 
 
 _bound = _Bound()
@@ -142,16 +145,22 @@ _Store: type[Store] = dist.Store  # type: ignore[attr-defined]  # (its stubs do 
 def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> None:
     """In a harness rank's thread, before its code runs; ``pause(s)`` waits ``s`` seconds, letting others run."""
     _bound.rank, _bound.environ, _bound.pause, _bound.exits = rank, environ, pause, []
+    _bound.logging = RankLogging()
 
 
 def unbind() -> None:
-    _bound.rank, _bound.environ, _bound.pause, _bound.exits = None, None, None, None
+    _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = None, None, None, None, None
+
+
+def _rank_logging() -> RankLogging | None:
+    return _bound.logging
 
 
 def run_exit_handlers() -> None:
     """Run what the calling rank registered with ``atexit`` (last first), as its process's exit would.
 
-    An error is printed and the next handler runs, as at an interpreter's exit.
+    An error is printed and the next handler runs, as at an interpreter's exit. Then the
+    rank's logging handlers are flushed and closed, as ``logging``'s own exit handler does.
     """
     exits = _bound.exits
     while exits:
@@ -161,6 +170,8 @@ def run_exit_handlers() -> None:
         except BaseException:
             print(f"aiocoll: rank {_bound.rank}: exception ignored in atexit callback {fn!r}:", file=sys.stderr)
             traceback.print_exc()
+    if _bound.logging is not None:
+        _bound.logging.shutdown()
 
 
 def _in_forked_child() -> None:
@@ -170,10 +181,12 @@ def _in_forked_child() -> None:
     environment, now as its real one (a child inherits its parent's), and is a rank no
     more, so that its ``os._exit``, ``time.sleep`` and ``atexit`` are the real ones.
     """
-    view = _bound.environ
+    view, logs = _bound.environ, _bound.logging
     unbind()
     if view is not None:
         restore_environ(view.as_dict())
+    if logs is not None:
+        logs.make_the_process_s()
 
 
 os.register_at_fork(after_in_child=_in_forked_child)
@@ -282,10 +295,6 @@ class ProcessOnly:
         refuse(signal, "signal", lambda sig, handler: f"installed a handler for signal {sig}")
         refuse(signal, "alarm", lambda seconds: f"set an alarm ({seconds} s)")
         refuse(signal, "setitimer", lambda which, seconds, interval=0.0: "set an interval timer")
-        # logging's configuration is the process's: one rank's would be every rank's, and the test run's after
-        refuse(logging, "basicConfig", lambda *a, **k: "configured logging (logging.basicConfig)")
-        refuse(logging.config, "dictConfig", lambda *a, **k: "configured logging (logging.config.dictConfig)")
-        refuse(logging.config, "fileConfig", lambda *a, **k: "configured logging (logging.config.fileConfig)")
         return out
 
 
@@ -393,10 +402,10 @@ class ProcessState:
             patches += ProcessOnly.wrappers()
             patches += RankExit.wrappers()
             patches += Cooperative.wrappers()
+            patches += descriptors(_rank_logging)
             for owner, name, fn in patches:
-                self._saved.append(
-                    (owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name))
-                )
+                # (a logger's attributes are its instances' alone until then: nothing to put back)
+                self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
                 setattr(owner, name, fn)
 
     def exit(self) -> None:
@@ -405,7 +414,10 @@ class ProcessState:
             if self._count:
                 return
             for owner, name, real in reversed(self._saved):
-                setattr(owner, name, real)
+                if real is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, real)
             self._saved.clear()
 
     def __repr__(self) -> str:

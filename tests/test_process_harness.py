@@ -264,9 +264,6 @@ class NeedsProcesses(_Case):
     def test_separate_worlds(self) -> None:
         dist.init_process_group("gloo", init_method=f"file://{self.file_name}.{self.rank}", rank=0, world_size=1)
 
-    def test_logging_config(self) -> None:
-        logging.basicConfig(level=logging.INFO, force=True)
-
     def test_sparse_all_reduce(self) -> None:  # gloo reduces sparse tensors; aiocoll does not
         self.init()
         dist.all_reduce(torch.sparse_coo_tensor([[self.rank]], [1.0], size=(2,)))
@@ -429,6 +426,30 @@ class AtExit(_Case):
         atexit.register(lambda: ran.append((self.rank, "runs first")))
         dist.barrier()
         assert [w for r, w in ran if r == self.rank] == []  # not yet: this rank has not ended
+
+
+class Logging(_Case):
+    """Each rank configures logging as its process's own, and a rank's assertLogs sees its own records."""
+
+    world = 2
+
+    def test_basic_config(self) -> None:
+        self.init()
+        out = seen.setdefault("logging", {})[self.rank] = []
+
+        class ToList(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                out.append(self.format(record))
+
+        logging.basicConfig(level=logging.INFO, format=f"rank {self.rank}: %(message)s", handlers=[ToList()])
+        dist.barrier()  # (both ranks' configurations in place before either logs)
+        logging.getLogger("aiocoll.test.harness").info("from %d", self.rank)
+        assert [type(h) for h in logging.getLogger().handlers] == [ToList]
+        dist.barrier()
+        with self.assertLogs("aiocoll.test.harness", level="INFO") as caught:
+            logging.getLogger("aiocoll.test.harness").info("caught on %d", self.rank)
+            dist.barrier()  # (the other rank runs inside its own assertLogs meanwhile)
+        assert caught.output == [f"INFO:aiocoll.test.harness:caught on {self.rank}"]
 
 
 class NoRanks(DTensorTestBase):
@@ -711,6 +732,17 @@ def test_a_ranks_atexit_handlers_run_when_it_ends(harness: ProcessHarnessReplace
     assert not hasattr(atexit.register, "__wrapped__")  # the test process's own atexit, outside ranks
 
 
+def test_logging_is_configured_per_rank(harness: ProcessHarnessReplacement) -> None:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    result = run_case(Logging)
+    assert result.wasSuccessful(), problems(result)
+    assert seen["logging"] == {0: ["rank 0: from 0"], 1: ["rank 1: from 1"]}
+    assert harness.fallbacks == []
+    assert (root.handlers, root.level) == (handlers, level)  # the test process's own logging, untouched
+    assert "handlers" not in vars(logging.Logger)
+
+
 def test_a_world_of_no_ranks_passes_on_torchs_harness() -> None:
     result = run_case(NoRanks)  # torch's own harness: what the drop-in mirrors
     assert result.wasSuccessful(), problems(result)
@@ -731,7 +763,6 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_exit_codes_checked",
             "test_sparse_all_reduce",
             "test_backend_by_name",
-            "test_logging_config",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -742,9 +773,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
-    assert "configured logging (logging.basicConfig)" in reasons["test_logging_config"]
-    assert len(harness.fallbacks) == 8
-    assert not hasattr(logging.basicConfig, "__wrapped__")
+    assert len(harness.fallbacks) == 7
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 

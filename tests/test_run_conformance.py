@@ -2,7 +2,7 @@
 
 Each case runs the script under torchrun (``python -m torch.distributed.run``, this torch's)
 and under ``aiocoll run``, and compares the exit codes, the script's lines on stdout and on
-stderr (sorted: torchrun's workers write side by side, in no fixed order), the log files
+stderr, its logging's among them (sorted: torchrun's workers write side by side, in no fixed order), the log files
 written per rank, and the environment variables each rank sees (names; values where they do
 not depend on the run).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = r"""
-import json, os, sys
+import json, logging, os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -36,6 +36,11 @@ def main():
     else:  # (one write each: torchrun's workers write unbuffered, side by side)
         print(f"SCRIPT {r}: sum {t.item():g}\n", end="")
     print(f"SCRIPT {r}: to stderr\n", end="", file=sys.stderr)
+    # each rank configures logging as its process's own: its format, its level
+    logging.basicConfig(format=f"SCRIPT {r}: logged %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("script").setLevel(logging.INFO if r == 0 else logging.WARNING)
+    logging.getLogger("script").info("rank %d at info", r)
+    logging.getLogger("script").warning("rank %d at warning", r)
     env = {k: v for k, v in os.environ.items() if k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "LOCAL_",
            "WORLD_", "GROUP_", "ROLE_", "OMP_NUM_THREADS"))}
     print("SCRIPT ENV " + json.dumps(env, sort_keys=True) + "\n", end="")
