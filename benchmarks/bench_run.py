@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_run.py                 # 5 rounds
     python benchmarks/bench_run.py --rounds 2 --steps 50
+    python benchmarks/bench_run.py --cases small   # the one-collective script alone
 
 Two scripts, each run 4 ranks (``--nproc-per-node 4``), the systems alternating round by
 round so that a slower minute of the machine falls on both:
@@ -82,7 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="times each command runs (alternating)")
     parser.add_argument("--steps", type=int, default=300, help="training steps of the DDP script")
+    parser.add_argument(
+        "--cases", default="small,ddp", help="which scripts, comma-separated: small, ddp (default: both)"
+    )
     args = parser.parse_args()
+    cases = set(args.cases.split(","))
+    if not cases or not cases <= {"small", "ddp"}:
+        parser.error(f"--cases {args.cases!r}: give small, ddp or both")
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
@@ -98,6 +105,7 @@ def main() -> None:
             "ddp: torchrun": [*torchrun, "ddp.py", str(args.steps)],
             "ddp: aiocoll run": [*aiocoll_run, "ddp.py", str(args.steps)],
         }
+        commands = {k: v for k, v in commands.items() if ":" not in k or k.split(":")[0] in cases}
         times: dict[str, list[float]] = {k: [] for k in commands}
         failed: dict[str, list[str]] = {k: [] for k in commands}
         for r in range(args.rounds):
@@ -113,10 +121,12 @@ def main() -> None:
         for f in fails:
             print(f"\n{key} failed once (run again): {f}")
     print()
-    print(f"small: torchrun / aiocoll run         {med['small: torchrun'] / med['small: aiocoll run']:.2f}x")
-    extra = med["small: aiocoll run"] - med["small: spawn (python -c)"]
-    print(f"small: aiocoll run - spawn            {extra:+.2f} s  (aiocoll run's own start-up)")
-    print(f"ddp:   torchrun / aiocoll run         {med['ddp: torchrun'] / med['ddp: aiocoll run']:.2f}x")
+    if "small" in cases:
+        print(f"small: torchrun / aiocoll run         {med['small: torchrun'] / med['small: aiocoll run']:.2f}x")
+        extra = med["small: aiocoll run"] - med["small: spawn (python -c)"]
+        print(f"small: aiocoll run - spawn            {extra:+.2f} s  (aiocoll run's own start-up)")
+    if "ddp" in cases:
+        print(f"ddp:   torchrun / aiocoll run         {med['ddp: torchrun'] / med['ddp: aiocoll run']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -293,13 +293,16 @@ def test_bench_cuda_quick_on_the_cpu() -> None:
 def test_bench_run_quick() -> None:
     bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_run.py"
     proc = subprocess.run(
-        [sys.executable, str(bench), "--rounds", "1", "--steps", "5"],
+        # (one case: the script's table and ratios; DDP training runs under both launchers in
+        # test_run_conformance, and each torchrun start costs 10 s or more on a loaded CI core)
+        [sys.executable, str(bench), "--rounds", "1", "--cases", "small"],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for row in ("small: torchrun", "small: aiocoll run", "small: spawn (python -c)", "ddp: aiocoll run"):
+    for row in ("small: torchrun", "small: aiocoll run", "small: spawn (python -c)"):
         assert re.search(rf"^{re.escape(row)} +\d+\.\d\d ", proc.stdout, re.MULTILINE), proc.stdout
     assert "torchrun / aiocoll run" in proc.stdout
+    assert "ddp:" not in proc.stdout

@@ -186,31 +186,39 @@ def test_restarts_and_modules(tmp_path: Path) -> None:
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("OK")) == ["OK 1", "OK 1"]
 
 
-def test_what_one_process_cannot_do_is_refused_with_the_reason(tmp_path: Path) -> None:
-    name = script(tmp_path, "x.py", "print('never')\n")
-    nodes = run(tmp_path, "--nnodes", "2", name)
-    assert nodes.returncode == 2
-    assert "--nnodes 2" in nodes.stderr
-    assert "from_process_group" in nodes.stderr
-    assert "never" not in nodes.stdout
+def test_a_script_that_cannot_run_is_reported_as_python_reports_it(tmp_path: Path) -> None:
     broken = run(tmp_path, "--nproc-per-node", "2", script(tmp_path, "broken.py", "def f(:\n"))
     assert broken.returncode == 1
     assert "SyntaxError" in broken.stderr
     assert "_run.py" not in broken.stderr  # python's report of the script, not aiocoll's frames
-    missing = run(tmp_path, "--nproc-per-node", "2", "nowhere.py")
-    assert missing.returncode == 2
-    assert "can't open file 'nowhere.py'" in missing.stderr
-    helped = run(tmp_path, "--help")
-    assert helped.returncode == 0
+
+
+def test_help_and_a_missing_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiocoll._run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nproc-per-node", "2", "nowhere.py"]) == 2
+    assert "can't open file 'nowhere.py'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as helped:
+        main(["--help"])
+    assert helped.value.code == 0
+    out = capsys.readouterr().out
     for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--tee", "--log-dir"):
-        assert option in helped.stdout  # torchrun's own options, from this torch's parser
+        assert option in out  # torchrun's own options, from this torch's parser
     for option in ("--timeout", "--schedule-seed", "--trace", "--record", "--sync-ranks"):
-        assert option in helped.stdout.split("aiocoll's own options")[1]
+        assert option in out.split("aiocoll's own options")[1]
 
 
 @pytest.mark.parametrize(
     ("options", "said"),
     [
+        (
+            ["--nnodes", "2"],
+            "--nnodes 2: every rank of 'aiocoll run' runs in this process; for several nodes use "
+            "torchrun with aiocoll.from_process_group",
+        ),
         (["--node-rank", "1"], "--node-rank 1: a run has one node"),
         (["--nnodes", "1:4"], "--nnodes 1:4: every rank of 'aiocoll run' runs in this process"),
         (["--no-python"], "--no-python: each rank runs Python code"),
@@ -258,11 +266,13 @@ def test_aiocoll_s_own_options_reach_the_world(tmp_path: Path) -> None:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert sum(1 for e in events if "all_reduce" in str(e.get("name", ""))) >= 12  # 3 ops x 4 ranks
 
-    def order(seed: int) -> tuple[str, ...]:
-        return tuple(run(tmp_path, "--nproc-per-node", "4", "--schedule-seed", str(seed), name).stdout.splitlines())
+    def order(seed: int) -> list[str]:
+        done = run(tmp_path, "--nproc-per-node", "4", "--schedule-seed", str(seed), name)
+        return [line for line in done.stdout.splitlines() if line.startswith("STEP")]
 
-    others = {order(seed) for seed in (1, 2, 3)}
-    assert len(others) > 1  # other seeds, other orders: the option is honoured, not ignored
+    # other seeds, other orders: the option is honoured, not ignored (the first other seed differs
+    # almost always; each run costs seconds, so stop there)
+    assert any(order(seed) != orders[0] for seed in (1, 2, 3))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
