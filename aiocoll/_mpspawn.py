@@ -29,7 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from . import _harness, _outcome, _runlogs
+from . import _harness, _outcome, _rankmain, _runlogs
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -133,11 +133,13 @@ class Starter:
         failures: list[tuple[int, BaseException]] = []
         name = getattr(fn, "__qualname__", repr(fn))
         writes_as = _runlogs.rank_of_output.rank  # a child process writes to its parent's streams
+        parents_main = _rankmain.carried()  # and its __main__ is its parent's script
 
         def rank_main(rank: int) -> None:
             _runlogs.rank_of_output.rank = writes_as
             try:
-                fn(rank, *args)
+                with parents_main():
+                    fn(rank, *args)
             except KeyboardInterrupt:
                 pass  # as torch's child does
             except BaseException as e:

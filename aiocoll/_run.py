@@ -20,7 +20,6 @@ import argparse
 import builtins
 import contextlib
 import os
-import runpy
 import signal
 import socket
 import sys
@@ -28,6 +27,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from types import CodeType
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _harness, _mpspawn, _runlogs, _torch
+from . import _harness, _mpspawn, _rankmain, _runlogs, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
 
 __all__ = ["main", "parser", "worker_env"]
@@ -221,9 +221,15 @@ def _logs_spec(args: argparse.Namespace) -> _runlogs.LogsSpec:
 
 
 def _rank_main(
-    args: argparse.Namespace, code: CodeType | None, size: int, restart: int, attempt_dir: str, rdzv: _Rendezvous
+    args: argparse.Namespace,
+    code: CodeType | None,
+    size: int,
+    restart: int,
+    attempt_dir: str,
+    rdzv: _Rendezvous,
+    mains: _rankmain.MainByRank,
 ) -> Callable[[int], None]:
-    """What each rank runs: the script's ``code`` (None: the module ``args.training_script``)."""
+    """What each rank runs: the script's ``code`` (None: the module ``args.training_script``) as its ``__main__``."""
     script = args.training_script
 
     def rank_main(rank: int) -> None:
@@ -232,15 +238,17 @@ def _rank_main(
         # where torch.distributed.elastic's @record writes the rank's failure, as under torchrun
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
         os.environ.update(env)  # this rank's view (see _procstate)
+        # a module of its own, as `python script.py` gives each process, which is this rank's
+        # sys.modules["__main__"] (where pickle finds the classes the script defines)
+        module = types.ModuleType("__main__")
         try:
             if code is not None:
-                # a module namespace of its own, as `python script.py` gives each process;
-                # sys.modules["__main__"] stays the process's (ranks would swap it under each other)
-                namespace = {"__name__": "__main__", "__file__": script, "__builtins__": builtins}
-                namespace.update(__spec__=None, __loader__=None, __package__=None, __cached__=None)
-                exec(code, namespace)
+                run, names = code, {"__file__": script, "__cached__": None}
             else:
-                runpy.run_module(script, run_name="__main__", alter_sys=False)
+                run, names = _rankmain.module_main(script)
+            module.__dict__.update(names, __builtins__=builtins)
+            with _rankmain.bound(mains, module):
+                exec(run, module.__dict__)
         except SystemExit as e:
             if e.code not in (0, None):
                 raise  # the rank's exit code: a failure, as in torchrun
@@ -281,14 +289,16 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
             traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
             return 1
     script_dir = os.path.dirname(os.path.abspath(args.training_script)) if not args.module else os.getcwd()
-    saved_argv, saved_path = sys.argv, list(sys.path)
+    saved_argv, saved_path, saved_main = sys.argv, list(sys.path), sys.modules["__main__"]
     sys.argv = [args.training_script, *args.training_script_args]
     sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
+    mains = _rankmain.MainByRank(saved_main)
+    sys.modules["__main__"] = mains
     try:
         with _sigterm_interrupts(), _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned:
             for restart in range(args.max_restarts + 1):
                 with _runlogs.routed_output(logs, run_dir, restart, size) as attempt_dir:
-                    rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv)
+                    rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv, mains)
                     code = _run_once(args, rank_main, size, spawned)
                 if code is None:  # interrupted: no restart; 1 as torchrun's
                     if exit_when_interrupted:
@@ -302,6 +312,7 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
         return 1  # (not reached)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.modules["__main__"] = saved_main
 
 
 def _run_once(

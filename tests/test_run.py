@@ -55,7 +55,7 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         tmp_path,
         "train.py",
         f"""
-        import json, os, sys
+        import io, json, os, sys
         import torch
         import torch.distributed as dist
 
@@ -64,6 +64,11 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         def step():
             global calls
             calls += 1
+
+        class Model(torch.nn.Module):
+            def __init__(self, rank):
+                super().__init__()
+                self.rank = rank
 
         backend, init = sys.argv[1], sys.argv[2]
         kwargs = {{}} if init == "env" else {{"init_method": "env://"}}
@@ -80,9 +85,15 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         names = [None] * dist.get_world_size()
         dist.all_gather_object(names, __name__)
         dist.destroy_process_group()
+        # a class the script defines pickles by name, as in a process whose __main__ is the script
+        buffer = io.BytesIO()
+        torch.save(Model(rank), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        pickled = type(loaded) is Model and loaded.rank == rank and sys.modules["__main__"].calls == 1
         env = {{k: os.environ.get(k) for k in {TORCHRUN_ENV!r}}}
         print("RESULT", json.dumps([rank, t.tolist(), calls, names, sys.argv[1:], env,
-                                    dist.is_torchelastic_launched()]), flush=True)
+                                    dist.is_torchelastic_launched(), pickled]), flush=True)
         """,
     )
     proc = run(tmp_path, "--nproc_per_node", "3", "--master-port", "29777", name, "gloo", "env", "--lr", "0.1")
@@ -91,7 +102,8 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
     )
     assert [r[0] for r in results] == [0, 1, 2]
-    for rank, t, calls, names, argv, env, elastic in results:
+    for rank, t, calls, names, argv, env, elastic, pickled in results:
+        assert pickled is True
         assert t == ([6.0] * 3 if rank in (0, 2) else [3.0] * 3)  # 0+1+2, then the evens' sum of 3s
         assert calls == 1  # its own module globals
         assert names == ["__main__"] * 3
@@ -332,7 +344,7 @@ def test_a_signal_ends_the_run_at_once_saying_where_each_rank_was(tmp_path: Path
 
 
 SPAWNING = """
-import os, sys
+import os, pickle, sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -365,8 +377,15 @@ def train(rank, world_size, mode):
     weights = [torch.empty_like(model.module.weight) for _ in range(world_size)]
     dist.all_gather(weights, model.module.weight.detach())
     same = all(torch.equal(weights[0], w) for w in weights)
+    # a class of the script pickles by name, as in a child process whose __main__ is the script
+    same = same and type(pickle.loads(pickle.dumps(Batch(rank)))) is Batch
     print(f"RANK {rank} same={same} port={os.environ['MASTER_PORT']}", flush=True)
     dist.destroy_process_group()
+
+
+class Batch:
+    def __init__(self, rank):
+        self.rank = rank
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""``sys.modules["__main__"]`` per rank, for ``aiocoll run``: each rank's script is its own ``__main__``.
+
+Under torchrun each worker is ``python script.py``: its ``__main__`` module is the script,
+so ``pickle`` (``torch.save`` of a model whose class the script defines, a DataLoader
+worker's batches) finds ``__main__.Net`` there. In one process the ranks run the script as
+separate module objects; ``MainByRank`` stands in ``sys.modules["__main__"]`` during a run
+and gives each rank thread its own module's attributes, every other thread the process's
+``__main__``.
+
+>>> import types
+>>> process = types.ModuleType("__main__"); process.where = "process"
+>>> mains = MainByRank(process)
+>>> rank = types.ModuleType("__main__"); rank.where = "rank"
+>>> with bound(mains, rank):
+...     inside = mains.where
+>>> inside, mains.where
+('rank', 'process')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+__all__ = ["MainByRank", "bound", "carried", "module_main", "target"]
+
+
+class MainByRank(types.ModuleType):
+    """A ``__main__`` that is the calling rank's script module, or the process's own outside ranks.
+
+    Every attribute is the target module's, so a script's names (``bound``, say) never clash
+    with this class's: it is driven through the module functions ``bound`` and ``target``.
+    """
+
+    def __init__(self, process: types.ModuleType) -> None:
+        super().__init__("__main__")
+        object.__setattr__(self, "_aiocoll_process", process)
+        object.__setattr__(self, "_aiocoll_local", threading.local())
+
+    def __getattribute__(self, name: str) -> Any:
+        return getattr(target(self), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(target(self), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(target(self), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(target(self))
+
+    def __repr__(self) -> str:
+        return f"<aiocoll's __main__ per rank, now {target(self)!r}>"
+
+
+def target(mains: MainByRank) -> types.ModuleType:
+    """The module ``mains`` stands for in the calling thread."""
+    module: types.ModuleType | None = getattr(object.__getattribute__(mains, "_aiocoll_local"), "module", None)
+    return module if module is not None else object.__getattribute__(mains, "_aiocoll_process")
+
+
+@contextlib.contextmanager
+def bound(mains: MainByRank, module: types.ModuleType) -> Iterator[None]:
+    """While the calling thread runs ``module`` as its ``__main__``."""
+    local = object.__getattribute__(mains, "_aiocoll_local")
+    local.module = module
+    try:
+        yield
+    finally:
+        local.module = None
+
+
+def carried() -> Callable[[], AbstractContextManager[None]]:
+    """For ranks the caller starts (``mp.spawn`` in a rank): binds its ``__main__`` in theirs.
+
+    A child process's script is its parent's.
+    """
+    mains = sys.modules.get("__main__")
+    if not isinstance(mains, MainByRank):
+        return contextlib.nullcontext
+    module = target(mains)
+    return lambda: bound(mains, module)
+
+
+def module_main(name: str) -> tuple[types.CodeType, dict[str, object]]:
+    """The code ``python -m name`` runs and the globals it gets (``runpy``'s rules: a package runs its ``__main__``)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ImportError(f"No module named {name}", name=name)
+    if spec.submodule_search_locations is not None:  # a package
+        return module_main(f"{name}.__main__")
+    loader = spec.loader
+    code = loader.get_code(name) if loader is not None and hasattr(loader, "get_code") else None
+    if code is None:
+        raise ImportError(f"No code object available for {name}", name=name)
+    origin = spec.origin if spec.has_location else None
+    return code, {
+        "__file__": origin,
+        "__cached__": spec.cached,
+        "__loader__": loader,
+        "__package__": spec.parent,
+        "__spec__": spec,
+    }
