@@ -29,7 +29,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["LogsSpec", "Std", "rank_of_output", "routed_output"]
 
@@ -153,6 +153,16 @@ class _Router(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return self._console.encoding
+
+    def reconfigure(self, **options: Any) -> None:
+        """``TextIOWrapper.reconfigure`` (training scripts ask for ``line_buffering=True``): the console's.
+
+        The rank's log files are line-buffered already; the console is the process's, as
+        the stream each worker of torchrun reconfigures is its own.
+        """
+        reconfigure = getattr(self._console, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(**options)
 
     def __repr__(self) -> str:
         return f"<aiocoll run output router over {self._console!r}, {len(self._sinks)} ranks>"

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
 def main():
+    sys.stdout.reconfigure(line_buffering=True)  # (as training scripts do)
     dist.init_process_group("gloo")
     r = dist.get_rank()
     t = torch.tensor([float(r + 1)])
