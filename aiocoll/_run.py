@@ -65,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
             "Run a torchrun script with every rank in this process, as aiocoll sync ranks: "
             "mismatched collectives, deadlocks and ranks that leave are reported at once. "
             "torchrun's options are accepted under torchrun's spellings; those one process cannot honour "
-            "(--nnodes above 1, --node-rank, --no-python, --virtual-local-rank, --logs-specs, "
-            "--duplicate-std*-filters) are refused with the reason, and those about processes and "
+            "(--nnodes above 1, --node-rank, --no-python, --virtual-local-rank, --logs-specs) "
+            "are refused with the reason, and those about processes and "
             "rendezvous (--rdzv-*, --start-method, --monitor-interval, ...) are accepted and have nothing to do."
         ),
         epilog="Example: aiocoll run --nproc-per-node 4 train.py --epochs 1",
@@ -195,9 +195,6 @@ def _size(args: argparse.Namespace) -> int:
         )
     if getattr(args, "logs_specs", None):
         raise _Refused(f"--logs-specs {args.logs_specs}: output is routed as torchrun's default logs spec does")
-    for flag in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if getattr(args, flag):
-            raise _Refused(f"--{flag.replace('_', '-')}: not supported by aiocoll run yet; run under torchrun")
     n = _nproc(args.nproc_per_node)
     if n < 1:
         raise _Refused(f"--nproc-per-node {n}: at least one rank")
@@ -217,7 +214,11 @@ def _logs_spec(args: argparse.Namespace) -> _runlogs.LogsSpec:
     except ValueError:
         raise _Refused(f"--local-ranks-filter {args.local_ranks_filter!r}: give ranks, e.g. 0,1") from None
     template = getattr(args, "log_line_prefix_template", "") or ""  # (torchrun's from 2.15 on)
-    return _runlogs.LogsSpec(args.log_dir, redirects, tee, shown, args.role, template)
+    duplicated = {  # torchrun's lists of needles (its parser splits them on commas)
+        _runlogs.Std.OUT: tuple(getattr(args, "duplicate_stdout_filters", None) or ()),
+        _runlogs.Std.ERR: tuple(getattr(args, "duplicate_stderr_filters", None) or ()),
+    }
+    return _runlogs.LogsSpec(args.log_dir, redirects, tee, shown, args.role, template, duplicated)
 
 
 def _rank_main(

@@ -27,8 +27,8 @@ import string
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 __all__ = ["LogsSpec", "Std", "rank_of_output", "routed_output"]
@@ -66,6 +66,9 @@ class LogsSpec:
     local_ranks_filter: frozenset[int] = frozenset()
     role: str = "default"
     prefix_template: str = ""  # torchrun's --log-line-prefix-template: ${role_name}, ${rank}, ${local_rank}, ...
+    # --duplicate-stdout-filters / --duplicate-stderr-filters: a tee'd line holding any of these
+    # is also written to the attempt's filtered_stdout.log / filtered_stderr.log (every rank's)
+    duplicated: Mapping[Std, tuple[str, ...]] = field(default_factory=dict)
 
     def prefix(self, rank: int) -> str:
         """The console prefix of a tee'd line of ``rank`` (one node: its local rank is its rank)."""
@@ -76,7 +79,7 @@ class LogsSpec:
 
     def routes_output(self) -> bool:
         """Whether any rank's output goes elsewhere than the console, as it is."""
-        return bool(self.redirects or self.tee or self.local_ranks_filter)
+        return bool(self.redirects or self.tee or self.local_ranks_filter or any(self.duplicated.values()))
 
     def make_run_dir(self, run_id: str) -> str:
         """The run's log directory, as torchrun names it (``<log dir>/<run id>_<random>``)."""
@@ -103,6 +106,9 @@ class _Sink:
         self.prefix = prefix
         self.mid_line = False  # the last write did not end a line
 
+    def close(self) -> None:
+        """The rank's stream ends (nothing more to write)."""
+
     def write(self, s: str) -> None:
         if self.prefix:
             out = []
@@ -113,6 +119,29 @@ class _Sink:
                 self.mid_line = not line.endswith("\n")
             s = "".join(out)
         self.stream.write(s)
+
+
+class _FilteredSink(_Sink):
+    """The lines of a rank's stream that hold one of ``needles``, prefixed (torchrun's duplicate filters)."""
+
+    def __init__(self, stream: TextIO, prefix: str, needles: tuple[str, ...]) -> None:
+        super().__init__(stream, prefix)
+        self.needles = needles
+        self.pending = ""  # the start of a line not ended yet: judged once whole
+
+    def write(self, s: str) -> None:
+        *lines, self.pending = (self.pending + s).split("\n")
+        for line in lines:
+            self._line(line + "\n")
+
+    def close(self) -> None:
+        if self.pending:  # (torchrun's reader takes a last line without its end too)
+            self._line(self.pending)
+            self.pending = ""
+
+    def _line(self, line: str) -> None:
+        if any(needle in line for needle in self.needles):
+            self.stream.write(self.prefix + line)
 
 
 class _Router(io.TextIOBase):
@@ -133,6 +162,13 @@ class _Router(io.TextIOBase):
             for sink in sinks:
                 sink.write(s)
         return len(s)
+
+    def close_sinks(self) -> None:
+        """The ranks' streams end: what a sink holds back (a filtered line's start) goes out."""
+        with self._lock:
+            for sinks in self._sinks.values():
+                for sink in sinks:
+                    sink.close()
 
     def flush(self) -> None:
         with self._lock:
@@ -182,6 +218,11 @@ def routed_output(spec: LogsSpec, run_dir: str, attempt: int, size: int) -> Iter
         routers = []
         for flag, name, console in ((Std.OUT, "stdout", sys.stdout), (Std.ERR, "stderr", sys.stderr)):
             sinks: dict[int, list[_Sink]] = {}
+            needles = spec.duplicated.get(flag, ())
+            filtered = None
+            if needles:  # (made even when no rank is tee'd, as torchrun makes it)
+                path = os.path.join(attempt_dir, f"filtered_{name}.log")
+                filtered = files.enter_context(open(path, "w", buffering=1, encoding="utf-8", errors="replace"))
             for r in range(size):
                 tee = bool(Std.of(spec.tee, r) & flag)
                 to_file = tee or bool(Std.of(spec.redirects, r) & flag)
@@ -192,7 +233,10 @@ def routed_output(spec: LogsSpec, run_dir: str, attempt: int, size: int) -> Iter
                     sinks[r].append(_Sink(files.enter_context(open(path, "w", buffering=1, encoding="utf-8")), ""))
                 if shown and (tee or not to_file):
                     sinks[r].append(_Sink(console, spec.prefix(r) if tee else ""))
+                if filtered is not None and tee and shown:  # (torchrun duplicates the console's lines)
+                    sinks[r].append(_FilteredSink(filtered, spec.prefix(r), needles))
             routers.append(_Router(console, sinks))
+            files.callback(routers[-1].close_sinks)
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = routers[0], routers[1]
         try:

@@ -235,7 +235,6 @@ def test_help_and_a_missing_script(
         (["--nnodes", "1:4"], "--nnodes 1:4: every rank of 'aiocoll run' runs in this process"),
         (["--no-python"], "--no-python: each rank runs Python code"),
         (["--logs-specs", "mine"], "--logs-specs mine: output is routed as torchrun's default"),
-        (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters: not supported by aiocoll run yet"),
         (["--tee", "4"], "--tee '4': give 0, 1, 2 or 3"),
         (["--redirects", "0:1,x"], "--redirects '0:1,x': give 0, 1, 2 or 3"),
         (["--local-ranks-filter", "a"], "--local-ranks-filter 'a': give ranks"),

@@ -92,10 +92,14 @@ def _both(tmp_path: Path) -> list[tuple[str, list[str], Path]]:
 
 
 def _log_files(tmp: Path) -> dict[str, str]:
-    """``attempt_0/<rank>/<stream>.log`` -> its lines, sorted (the run directory's name is the run's)."""
+    """``attempt_0/<rank>/<stream>.log`` (and ``attempt_0/filtered_*.log``) -> its lines, sorted.
+
+    (The run directory's name is the run's own.)
+    """
     files = {}
-    for path in sorted((tmp / "logs").glob("*/attempt_*/*/*.log")):
-        key = "/".join(path.parts[-3:])
+    paths = [*(tmp / "logs").glob("*/attempt_*/*/*.log"), *(tmp / "logs").glob("*/attempt_*/*.log")]
+    for path in sorted(paths):
+        key = "/".join(path.relative_to(tmp / "logs").parts[1:])  # (from attempt_N on)
         # (the script's lines: torch 2.10's gloo also prints its own "[Gloo] Rank 0 is connected ...")
         files[key] = "\n".join(sorted(line for line in path.read_text().splitlines() if "SCRIPT" in line))
     return files
@@ -114,7 +118,11 @@ def _environments(lines: list[str]) -> list[dict[str, str]]:
     "options",
     [
         [],
-        ["--tee", "3", "--local-ranks-filter", "1"],
+        # (the duplicate filters: tee'd lines holding a needle also go to the attempt's filtered_*.log)
+        [
+            *["--tee", "3", "--local-ranks-filter", "1"],
+            *["--duplicate-stdout-filters", "sum,ENV", "--duplicate-stderr-filters", "warning"],
+        ],
         ["--redirects", "3", "--tee", "0:1"],
     ],
     ids=["plain", "tee-filtered", "redirected-one-teed"],
@@ -127,8 +135,8 @@ def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[s
     torchrun, aiocoll = results["torchrun"], results["aiocoll"]
     assert torchrun[0] == aiocoll[0] == 0
     # the environment: the same variables, with the same values where they are not the run's own
-    assert _environments(aiocoll[1] + aiocoll[3].get("0/stdout.log", "").splitlines()) == _environments(
-        torchrun[1] + torchrun[3].get("0/stdout.log", "").splitlines()
+    assert _environments(aiocoll[1] + aiocoll[3].get("attempt_0/0/stdout.log", "").splitlines()) == _environments(
+        torchrun[1] + torchrun[3].get("attempt_0/0/stdout.log", "").splitlines()
     )
 
     def without_env(lines: list[str]) -> list[str]:
