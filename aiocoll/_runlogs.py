@@ -17,6 +17,7 @@ What is written outside any rank (aiocoll's own reports) goes to the console unc
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import enum
 import io
@@ -190,6 +191,11 @@ class _Router(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return self._console.encoding
 
+    @property
+    def buffer(self) -> _BinaryRouter:
+        """The binary layer (``sys.stdout.buffer.write(b"...")``): bytes decoded, then routed as text."""
+        return _BinaryRouter(self)
+
     def reconfigure(self, **options: Any) -> None:
         """``TextIOWrapper.reconfigure`` (training scripts ask for ``line_buffering=True``): the console's.
 
@@ -202,6 +208,33 @@ class _Router(io.TextIOBase):
 
     def __repr__(self) -> str:
         return f"<aiocoll run output router over {self._console!r}, {len(self._sinks)} ranks>"
+
+
+class _BinaryRouter(io.RawIOBase):
+    """``_Router.buffer``: each rank's bytes decoded incrementally (a character split across writes stays whole)."""
+
+    def __init__(self, text: _Router) -> None:
+        super().__init__()
+        self._text = text
+        self._decoders: dict[int | None, codecs.IncrementalDecoder] = {}
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        rank = rank_of_output.rank
+        decoder = self._decoders.get(rank)
+        if decoder is None:
+            decoder = self._decoders[rank] = codecs.getincrementaldecoder(self._text.encoding)(errors="replace")
+        self._text.write(decoder.decode(data))
+        return len(data)
+
+    def flush(self) -> None:
+        self._text.flush()
+
+    def __repr__(self) -> str:
+        return f"<binary layer of {self._text!r}>"
 
 
 @contextlib.contextmanager

@@ -37,6 +37,8 @@ def main():
     else:  # (one write each: torchrun's workers write unbuffered, side by side)
         print(f"SCRIPT {r}: sum {t.item():g}\n", end="")
     print(f"SCRIPT {r}: to stderr\n", end="", file=sys.stderr)
+    sys.stdout.buffer.write(f"SCRIPT {r}: bytes \u00e9\n".encode())  # (the binary layer, a 2-byte character)
+    sys.stdout.buffer.flush()
     # each rank configures logging as its process's own: its format, its level
     logging.basicConfig(format=f"SCRIPT {r}: logged %(levelname)s %(name)s: %(message)s")
     logging.getLogger("script").setLevel(logging.INFO if r == 0 else logging.WARNING)
