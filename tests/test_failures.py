@@ -730,7 +730,7 @@ def test_a_gather_that_waits_on_a_future_of_its_own_is_no_deadlock(loop: str) ->
     sys.version_info < (3, 12),
     strict=True,
     raises=AssertionError,
-    reason="Known limitation on Python 3.11 (README): asyncio.wait_for wraps the Work in a task, so the "
+    reason="Known limitation on Python 3.11 (docs/limits.md): asyncio.wait_for wraps the Work in a task, so the "
     "waiting rank is not counted as parked and the deadlock is only reported at the timeout",
 )
 def test_deadlock_inside_wait_for_is_detected(loop: str) -> None:

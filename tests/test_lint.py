@@ -21,13 +21,24 @@ needs_ruff = pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason
 
 @needs_ruff
 def test_ruff_check() -> None:
-    r = _run(sys.executable, "-m", "ruff", "check", "aiocoll", "tests", "examples", "benchmarks")
+    r = _run(sys.executable, "-m", "ruff", "check", "aiocoll", "tests", "examples", "benchmarks", "docs/screenshots.py")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 @needs_ruff
 def test_ruff_format() -> None:
-    r = _run(sys.executable, "-m", "ruff", "format", "--check", "aiocoll", "tests", "examples", "benchmarks")
+    r = _run(
+        sys.executable,
+        "-m",
+        "ruff",
+        "format",
+        "--check",
+        "aiocoll",
+        "tests",
+        "examples",
+        "benchmarks",
+        "docs/screenshots.py",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -89,6 +89,9 @@ def test_sdist_contents(dists: tuple[Path, Path]) -> None:
     # what it takes to run the suite from the sdist: conftest.py too, and what the tests run
     for folder in ("tests", "examples", "benchmarks"):
         expected |= {f"{folder}/{p.name}" for p in (ROOT / folder).glob("*.py")}
+    # the docs site's sources (the suite runs their code blocks) and its configuration
+    expected |= {"mkdocs.yml", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))}
+    expected |= {"tests/scripts/docs_page_sample.md"}
     assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc") or n.startswith((".git/", ".ci/"))]
 
@@ -148,7 +151,8 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     assert meta["License-Expression"] == "BSD-3-Clause"
     assert meta.get_all("License-File") == ["LICENSE"]
     assert meta["Description-Content-Type"] == "text/markdown"
-    assert set(meta.get_all("Provides-Extra") or []) == {"uvloop", "test", "plot"}  # plot: the benchmarks
+    # plot: the benchmarks; docs: the site (mkdocs.yml)
+    assert set(meta.get_all("Provides-Extra") or []) == {"uvloop", "test", "plot", "docs"}
 
     reqs = [_requirement(r) for r in meta.get_all("Requires-Dist") or []]
     required = {name for name, extra in reqs if extra is None}
