@@ -12,7 +12,8 @@ The rules, for whoever writes a page:
 - ``<!-- docs: skip (why) -->`` before a block: not run, and the reason is required (it
   needs torchrun, a GPU, a file the reader has...).
 - ```` ```bash ```` and ```` ```console ```` blocks need a marker: ``skip (why)``, or
-  ``<!-- docs: shell -->`` to run them with bash in the temporary directory.
+  ``<!-- docs: shell -->`` to run them with bash in the temporary directory (``python``
+  there is the interpreter running the tests).
 - Other blocks (``text`` reports, tables of output) are shown, not run.
 
 The pages run where the ``[docs]`` extra is installed, as the site is built there: CI's
@@ -105,6 +106,8 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["REPO"] = str(ROOT)
+    # `python` in a shell block is the interpreter running the tests (a venv not activated too)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     return env
 
 
