@@ -51,6 +51,8 @@ _NOT_USERS = (
 # cannot be stopped: a rank busy in its own code is left behind, and ends with the process)
 _WIND_DOWN = 0.5
 
+_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # (aiocoll's frames: not the call's)
+
 # A run has no test's timeout: its deadline only keeps a rank stuck in C code from hanging for ever.
 _NO_DEADLINE = 7 * 24 * 3600.0
 
@@ -316,6 +318,19 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
         sys.modules["__main__"] = saved_main
 
 
+def _call_site(e: BaseException, script: str) -> str:
+    """`` at file:line``: where the rank made the call it was refused (and the script's line, if elsewhere)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_OWN_DIR)]
+    if not frames:
+        return ""
+    call = frames[-1]
+    out = f" at {call.filename}:{call.lineno}"
+    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(script)]
+    if mine and mine[-1] is not call:
+        out += f", called from {mine[-1].filename}:{mine[-1].lineno}"
+    return out
+
+
 def _run_once(
     args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
 ) -> int | None:
@@ -346,8 +361,9 @@ def _run_once(
                 spawn_call.abandon()
             return None
     if end.needs_process is not None:
+        where = _call_site(end.needs_process, args.training_script)
         print(
-            f"aiocoll run: {args.training_script} needs processes of its own ({end.needs_process}); "
+            f"aiocoll run: {args.training_script} needs processes of its own ({end.needs_process}{where}); "
             "run it under torchrun",
             file=sys.stderr,
         )

@@ -154,6 +154,9 @@ def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path)
             dist.all_reduce(t)
         if sys.argv[1] == "done" and rank == 0:
             sys.exit(0)  # a rank done early, as a process that exits 0
+        if sys.argv[1] == "os-exit" and rank == 3:
+            import os
+            os._exit(4)  # what only a process of its own can do
         """,
     )
     raised = run(tmp_path, "--nproc-per-node", "4", name, "raise")
@@ -177,6 +180,11 @@ def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path)
     assert f"rank 0: broadcast(float32[1], src=0) at {name}:10" in mismatch.stderr
 
     assert run(tmp_path, "--nproc-per-node", "4", name, "done").returncode == 0
+
+    # refused, naming the call, the rank and the line, and what to do instead: never a hang
+    refused = run(tmp_path, "--nproc-per-node", "4", name, "os-exit")
+    assert refused.returncode == 1
+    assert f"rank 3 called os._exit(4) at {name}:17); run it under torchrun" in refused.stderr
 
 
 def test_restarts_and_modules(tmp_path: Path) -> None:
