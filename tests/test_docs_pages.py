@@ -102,6 +102,10 @@ for i, (line, code) in enumerate(blocks):
 """
 
 
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -128,15 +132,7 @@ def test_every_code_block_of_the_page_runs(page: Path, tmp_path: Path) -> None:
     if python:
         (tmp_path / "blocks.json").write_text(json.dumps([(b.line, b.code) for _, b in python]))
         (tmp_path / "driver.py").write_text(_DRIVER)
-        proc = subprocess.run(
-            [sys.executable, "driver.py", str(where), "blocks.json"],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+        proc = _run([sys.executable, "driver.py", str(where), "blocks.json"], tmp_path)
         assert proc.returncode == 0, f"{where}: a block failed\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         printed = proc.stdout.split("\0BLOCK ")[1:]
         assert len(printed) == len(python)
@@ -151,26 +147,11 @@ def test_every_code_block_of_the_page_runs(page: Path, tmp_path: Path) -> None:
         if b.lang == "python" and b.marker == "pytest":
             (tmp_path / "test_page_block.py").write_text(b.code)
             (tmp_path / "pytest.ini").write_text("[pytest]\n")
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_page_block.py"],
-                cwd=tmp_path,
-                env=_env(),
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-            )
+            pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_page_block.py"]
+            proc = _run(pytest_cmd, tmp_path)
             assert proc.returncode == 0, f"{where}:{b.line}: the test block failed\n{proc.stdout[-5000:]}"
         if b.lang in _RUN_AS_SHELL and b.marker == "shell":
-            proc = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", b.code],
-                cwd=tmp_path,
-                env=_env(),
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-            )
+            proc = _run(["bash", "-euo", "pipefail", "-c", b.code], tmp_path)
             assert proc.returncode == 0, f"{where}:{b.line}: the shell block failed\n{proc.stdout}\n{proc.stderr}"
 
 
