@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.bench_smoke
+
 BENCH_ALLREDUCE = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_allreduce.py"
 COLUMNS = [
     "world",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launcher_conformance
+
 SCRIPT = r"""
 import json, logging, os, sys
 import torch
