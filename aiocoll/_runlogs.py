@@ -153,6 +153,7 @@ class _Router(io.TextIOBase):
         self._console = console
         self._sinks = sinks
         self._lock = threading.Lock()
+        self._buffer: _BinaryRouter | None = None
 
     def write(self, s: str) -> int:
         rank = rank_of_output.rank
@@ -193,8 +194,13 @@ class _Router(io.TextIOBase):
 
     @property
     def buffer(self) -> _BinaryRouter:
-        """The binary layer (``sys.stdout.buffer.write(b"...")``): bytes decoded, then routed as text."""
-        return _BinaryRouter(self)
+        """The binary layer (``sys.stdout.buffer.write(b"...")``): bytes decoded, then routed as text.
+
+        One for the router's life, as a stream's: its decoders keep a character split across writes.
+        """
+        if self._buffer is None:
+            self._buffer = _BinaryRouter(self)
+        return self._buffer
 
     def reconfigure(self, **options: Any) -> None:
         """``TextIOWrapper.reconfigure`` (training scripts ask for ``line_buffering=True``): the console's.

@@ -522,3 +522,19 @@ def test_spawned_ranks_left_unjoined_finish_as_at_a_process_s_exit(tmp_path: Pat
     lines = done.stdout.splitlines()
     assert lines[0] == "PARENT done"
     assert sorted(lines[1:]) == [f"CHILD {r} got 3" for r in range(3)]  # waited for, as non-daemon children
+
+
+def test_the_routed_binary_layer_keeps_a_character_split_across_writes() -> None:
+    import io
+
+    from aiocoll import _runlogs
+
+    console = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    router = _runlogs._Router(console, {})
+    encoded = "é".encode()
+    router.buffer.write(encoded[:1])  # (each write through sys.stdout.buffer, as a script does)
+    router.buffer.write(encoded[1:])
+    console.flush()
+    assert console.buffer.getvalue().decode() == "é"  # type: ignore[attr-defined]
+    router.buffer.close()  # (before the console goes: closing flushes into it)
+    router.close()
