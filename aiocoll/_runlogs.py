@@ -172,6 +172,11 @@ class _Router(io.TextIOBase):
                 for sink in sinks:
                     sink.close()
 
+    def close(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+        super().close()
+
     def flush(self) -> None:
         with self._lock:
             self._console.flush()
@@ -282,3 +287,5 @@ def routed_output(spec: LogsSpec, run_dir: str, attempt: int, size: int) -> Iter
             yield attempt_dir
         finally:
             sys.stdout, sys.stderr = saved
+            for router in routers:  # (flushed now, while the rank files are open: its finalizer would later)
+                router.close()

@@ -536,5 +536,4 @@ def test_the_routed_binary_layer_keeps_a_character_split_across_writes() -> None
     router.buffer.write(encoded[1:])
     console.flush()
     assert console.buffer.getvalue().decode() == "é"  # type: ignore[attr-defined]
-    router.buffer.close()  # (before the console goes: closing flushes into it)
-    router.close()
+    router.close()  # (and its binary layer: before the console goes, as closing flushes into it)
