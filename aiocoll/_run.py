@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -59,7 +60,7 @@ _NO_DEADLINE = 7 * 24 * 3600.0
 
 def parser() -> argparse.ArgumentParser:
     """torchrun's own command line (this torch's: its options, spellings, defaults and help), plus aiocoll's."""
-    from torch.distributed.run import get_args_parser  # (public; about 0.05 s to import)
+    from torch.distributed.run import get_args_parser  # (public; about 0.04 s to import, collector off)
 
     p = argparse.ArgumentParser(
         prog="aiocoll run",
@@ -267,7 +268,8 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     once, as torchrun's workers do when it stops them, without the interpreter's clean-up
     (about 0.8 s with torch loaded) and without waiting for ranks left running.
     """
-    args = parser().parse_args(argv)
+    with _collection_paused():
+        args = parser().parse_args(argv)
     try:
         size = _size(args)
         logs = _logs_spec(args)
@@ -316,6 +318,23 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         sys.modules["__main__"] = saved_main
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """The garbage collector off while torchrun's parser is imported and read, as it was before after.
+
+    Why: with torch loaded, the objects that import makes set off full collections, each a walk
+    over all of torch's objects: they were 0.14 s of the import's 0.18 s, most of ``aiocoll
+    run``'s own start-up (``benchmarks/bench_run.py``). The ranks run with the collector as found.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _call_site(e: BaseException, script: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import signal
@@ -55,7 +56,7 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         tmp_path,
         "train.py",
         f"""
-        import io, json, os, sys
+        import gc, io, json, os, sys
         import torch
         import torch.distributed as dist
 
@@ -93,7 +94,7 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         pickled = type(loaded) is Model and loaded.rank == rank and sys.modules["__main__"].calls == 1
         env = {{k: os.environ.get(k) for k in {TORCHRUN_ENV!r}}}
         print("RESULT", json.dumps([rank, t.tolist(), calls, names, sys.argv[1:], env,
-                                    dist.is_torchelastic_launched(), pickled]), flush=True)
+                                    dist.is_torchelastic_launched(), pickled, gc.isenabled()]), flush=True)
         """,
     )
     proc = run(tmp_path, "--nproc_per_node", "3", "--master-port", "29777", name, "gloo", "env", "--lr", "0.1")
@@ -102,8 +103,9 @@ def test_a_torchrun_script_runs_as_its_own_main_on_every_rank(tmp_path: Path) ->
         json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
     )
     assert [r[0] for r in results] == [0, 1, 2]
-    for rank, t, calls, names, argv, env, elastic, pickled in results:
+    for rank, t, calls, names, argv, env, elastic, pickled, collecting in results:
         assert pickled is True
+        assert collecting is True  # (the collector is paused only while torchrun's parser loads)
         assert t == ([6.0] * 3 if rank in (0, 2) else [3.0] * 3)  # 0+1+2, then the evens' sum of 3s
         assert calls == 1  # its own module globals
         assert names == ["__main__"] * 3
@@ -224,6 +226,13 @@ def test_help_and_a_missing_script(
     with pytest.raises(SystemExit) as helped:
         main(["--help"])
     assert helped.value.code == 0
+    assert gc.isenabled()  # as found: the collector is off only while torchrun's parser loads
+    gc.disable()
+    try:
+        assert main(["--nproc-per-node", "2", "nowhere.py"]) == 2
+        assert not gc.isenabled()  # a caller's choice stays
+    finally:
+        gc.enable()
     out = capsys.readouterr().out
     for option in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--max-restarts", "--tee", "--log-dir"):
         assert option in out  # torchrun's own options, from this torch's parser
