@@ -118,7 +118,7 @@ def main() -> None:
         env["PYTHONPYCACHEPREFIX"] = str(cwd / "pycache")
         times: dict[str, list[float]] = {k: [] for k in commands}
         failed: dict[str, list[str]] = {k: [] for k in commands}
-        for key, cmd in commands.items():  # the warm-up: bytecode cached, files in the page cache
+        for cmd in commands.values():  # the warm-up: bytecode cached, files in the page cache
             _time(cmd, cwd, env, [])
         for r in range(args.rounds):
             for key, cmd in commands.items():
