@@ -60,7 +60,7 @@ from ._record import Recorder, Stamp
 from ._runner import OpRunner
 from ._stats import Phase, RankStatistics, StateName, Statistics
 from ._tasks import RANK, RankTasks, WorldTasks
-from ._turns import TurnEvent, Turns
+from ._turns import TurnEvent, Turns, not_the_rank_s_thread
 from ._work import Site, Work, fmt_site
 
 if TYPE_CHECKING:
@@ -417,6 +417,8 @@ class EngineWork(Work):
             event = self._event
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
+            if isinstance(event, TurnEvent) and not event.runs_in_owner():
+                raise BlockingCallError(not_the_rank_s_thread(self._rank.rank, f"a wait for {self._call.describe()}"))
             lock = world.lock
             if timeout is None and lock is not None:
                 # ranks take turns: report the wait now, then hand the turn over

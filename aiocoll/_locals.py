@@ -35,10 +35,12 @@ forked process would); that thread gets its own states back when the world ends.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
@@ -46,7 +48,7 @@ import torch
 
 from . import _torch
 
-__all__ = ["RankLocals"]
+__all__ = ["RankLocals", "carried"]
 
 
 def _cuda_generators() -> list[torch.Generator]:
@@ -198,6 +200,30 @@ class _Dispatch:
 
 # which (RankLocals, rank) the calling thread runs, set by bind() in each rank thread
 _bound = threading.local()
+
+
+def carried() -> Callable[[], AbstractContextManager[None]]:
+    """For threads the calling rank starts: ``random`` (and NumPy's) draw from the rank's generators.
+
+    As threads share their process's. (torch's generators are the rank's only while it
+    holds the turn: they are swapped as ranks take turns, and a thread does not take turns.)
+    """
+    bound = getattr(_bound, "rank", None)
+    if bound is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def draws_as() -> Iterator[None]:
+        before = getattr(_bound, "rank", None)
+        _bound.rank = bound
+        try:
+            yield
+        finally:
+            _bound.rank = before
+
+    return draws_as
+
+
 _dispatch_lock = threading.Lock()
 _python_dispatch = _Dispatch(random, random._inst, {}, "python")
 _numpy_dispatch: _Dispatch | None = None  # made when numpy is first seen imported

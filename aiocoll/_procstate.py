@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
+import functools
 import os
 import signal
 import sys
@@ -45,12 +47,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from . import _locals, _rankmain, _runlogs
 from ._logstate import RankLogging, descriptors
 
 if TYPE_CHECKING:
@@ -63,8 +68,10 @@ __all__ = [
     "ProcessState",
     "RankEnviron",
     "RankExit",
+    "RankThreads",
     "bind",
     "bound_rank",
+    "carried",
     "run_exit_handlers",
     "unbind",
 ]
@@ -126,6 +133,8 @@ class RankEnviron:
         return f"<RankEnviron {len(self._own)} change(s) over {len(self._base)} variables>"
 
 
+T = TypeVar("T")
+
 # what a class or module gets while harness worlds run: (owner, attribute name, replacement)
 Patch = tuple[object, str, object]
 
@@ -150,6 +159,27 @@ def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> Non
 
 def unbind() -> None:
     _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = None, None, None, None, None
+
+
+def carried() -> Callable[[], AbstractContextManager[None]]:
+    """For threads the calling rank starts: its environment, logging and ``atexit``, as a process's threads share them.
+
+    Not its turn: such a thread's ``time.sleep`` and store waits are the real ones.
+    """
+    rank, environ, exits, logs = _bound.rank, _bound.environ, _bound.exits, _bound.logging
+    if rank is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def as_rank() -> Iterator[None]:
+        before = (_bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging)
+        _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = rank, environ, None, exits, logs
+        try:
+            yield
+        finally:
+            _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = before
+
+    return as_rank
 
 
 def _rank_logging() -> RankLogging | None:
@@ -385,6 +415,53 @@ class Cooperative:
         return wrapper
 
 
+class RankThreads:
+    """A thread a rank starts, and a task it hands a thread pool, belong to the rank, as in its process.
+
+    They see its ``os.environ``, ``logging``, ``__main__``, ``random``, output streams and
+    torch.distributed state (``contextvars``, as ``asyncio.to_thread`` carries them). A pool
+    task runs as the rank that submitted it, whichever rank's task started the pool's thread:
+    a pool made once for the process serves every rank, each as itself.
+    """
+
+    @staticmethod
+    def carry() -> Callable[[Callable[[], T]], T] | None:
+        """What runs a callable as the calling rank (None outside ranks): read in the caller's thread."""
+        if _bound.rank is None:
+            return None
+        context = contextvars.copy_context()
+        parts = (carried(), _locals.carried(), _rankmain.carried(), _runlogs.carried())
+
+        def as_rank(fn: Callable[[], T]) -> T:
+            with contextlib.ExitStack() as stack:
+                for part in parts:
+                    stack.enter_context(part())
+                return fn()
+
+        # (a fresh copy per call: a context is entered by one thread at a time)
+        return lambda fn: context.copy().run(as_rank, fn)
+
+    @staticmethod
+    def wrappers() -> list[Patch]:
+        real_start, real_submit = threading.Thread.start, ThreadPoolExecutor.submit
+
+        def start(self: threading.Thread) -> None:
+            carry = RankThreads.carry()
+            if carry is not None:
+                run = self.run  # (as looked up now: a subclass's, or Thread's calling the target)
+                self.run = lambda: carry(run)  # type: ignore[method-assign]
+            real_start(self)
+
+        def submit(self: ThreadPoolExecutor, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+            carry = RankThreads.carry()
+            if carry is None:
+                return real_submit(self, fn, *args, **kwargs)
+            return real_submit(self, lambda: carry(functools.partial(fn, *args, **kwargs)))
+
+        start.__doc__, submit.__doc__ = real_start.__doc__, real_submit.__doc__
+        return [(threading.Thread, "start", start), (ThreadPoolExecutor, "submit", submit)]
+
+
 class ProcessState:
     """Installs ``RankEnviron`` and ``ProcessOnly`` while harness worlds run (counted)."""
 
@@ -403,6 +480,7 @@ class ProcessState:
             patches += RankExit.wrappers()
             patches += Cooperative.wrappers()
             patches += descriptors(_rank_logging)
+            patches += RankThreads.wrappers()
             for owner, name, fn in patches:
                 # (a logger's attributes are its instances' alone until then: nothing to put back)
                 self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))

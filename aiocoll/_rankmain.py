@@ -69,17 +69,18 @@ def target(mains: MainByRank) -> types.ModuleType:
 def bound(mains: MainByRank, module: types.ModuleType) -> Iterator[None]:
     """While the calling thread runs ``module`` as its ``__main__``."""
     local = object.__getattribute__(mains, "_aiocoll_local")
+    before = getattr(local, "module", None)  # (a pool thread runs one rank's task after another's)
     local.module = module
     try:
         yield
     finally:
-        local.module = None
+        local.module = before
 
 
 def carried() -> Callable[[], AbstractContextManager[None]]:
-    """For ranks the caller starts (``mp.spawn`` in a rank): binds its ``__main__`` in theirs.
+    """For ranks and threads the caller starts (``mp.spawn``, ``threading``): binds its ``__main__`` in theirs.
 
-    A child process's script is its parent's.
+    A child process's script is its parent's, and a thread's is its process's.
     """
     mains = sys.modules.get("__main__")
     if not isinstance(mains, MainByRank):

@@ -28,11 +28,12 @@ import string
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-__all__ = ["LogsSpec", "Std", "rank_of_output", "routed_output"]
+__all__ = ["LogsSpec", "Std", "carried", "rank_of_output", "routed_output"]
 
 
 class Std(enum.IntFlag):
@@ -97,6 +98,24 @@ class _Who(threading.local):
 
 rank_of_output = _Who()
 """The run's rank whose output this thread writes (set in each rank's thread; None: not a rank's)."""
+
+
+def carried() -> Callable[[], AbstractContextManager[None]]:
+    """For threads the calling rank starts: what they print goes where the rank's output goes, as in its process."""
+    rank = rank_of_output.rank
+    if rank is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def writes_as() -> Iterator[None]:
+        before = rank_of_output.rank
+        rank_of_output.rank = rank
+        try:
+            yield
+        finally:
+            rank_of_output.rank = before
+
+    return writes_as
 
 
 class _Sink:

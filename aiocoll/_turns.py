@@ -311,6 +311,10 @@ class Turns:
         """A one-shot event rank ``rank`` may wait on, giving up its turn meanwhile."""
         return TurnEvent(self, rank)
 
+    def runs_in(self, rank: int) -> bool:
+        """Whether the calling thread is rank ``rank``'s own (a thread the rank starts does not take turns)."""
+        return self._threads[rank] == threading.get_ident()
+
     def _pass_on(self, sleeping: bool = False) -> None:
         """With ``_mu`` held: hand the turn to the next ready rank, if any.
 
@@ -412,6 +416,16 @@ class Turns:
         return f"<Turns holder={s['holder']} ready={s['ready']} waiting={s['waiting']} handovers={s['handovers']}>"
 
 
+def not_the_rank_s_thread(rank: int, what: str) -> str:
+    """Why a rank's collective is refused on a thread the rank started (``BlockingCallError``)."""
+    return (
+        f"rank {rank}: {what} on thread {threading.current_thread().name!r}, not the rank's own: ranks that "
+        "take turns make their collectives and wait for them on their own threads, and a thread a rank starts "
+        "does not take turns; make the call on the rank's thread, or run the ranks at once "
+        "(spawn(..., sync_ranks='parallel'), aiocoll run --sync-ranks parallel)"
+    )
+
+
 class TurnEvent:
     """What a rank thread waits on for one work: set by the engine, waited on by the rank.
 
@@ -433,6 +447,10 @@ class TurnEvent:
 
     def is_set(self) -> bool:
         return self._flag
+
+    def runs_in_owner(self) -> bool:
+        """Whether the calling thread is the rank's own, the one thread that may wait here."""
+        return self._turns.runs_in(self.rank)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is set, after waiting up to ``timeout`` seconds (None: until it is)."""

@@ -546,3 +546,70 @@ def test_the_routed_binary_layer_keeps_a_character_split_across_writes() -> None
     console.flush()
     assert console.buffer.getvalue().decode() == "é"  # type: ignore[attr-defined]
     router.close()  # (and its binary layer: before the console goes, as closing flushes into it)
+
+
+@pytest.mark.parametrize("sync_ranks", ["turns", "parallel"])
+def test_threads_a_rank_starts_belong_to_it_as_in_its_process(tmp_path: Path, sync_ranks: str) -> None:
+    # a pool made once for the whole process (a module's import), which both ranks use
+    (tmp_path / "shared.py").write_text(
+        "from concurrent.futures import ThreadPoolExecutor\nPOOL = ThreadPoolExecutor(1)\n", encoding="utf-8"
+    )
+    name = script(
+        tmp_path,
+        "threads.py",
+        """
+        import json, logging, os, pickle, random, sys, threading, time
+        import torch, torch.distributed as dist
+        import shared
+
+        class Step:  # defined by the script: pickles as __main__.Step
+            pass
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        logging.basicConfig(format=f"LOG from rank {rank}: %(message)s", level=logging.INFO)
+        os.environ["MINE"] = f"set by {rank}"
+        random.seed(rank)
+        seen = {}
+
+        def helper():
+            seen["env"] = (os.environ["RANK"], os.environ["MINE"])
+            seen["rank"] = dist.get_rank()
+            seen["pickled"] = type(pickle.loads(pickle.dumps(Step()))) is Step
+            seen["random"] = random.random()
+            logging.getLogger("helper").info("in a thread")
+            print("PRINTED in a thread", flush=True)
+            try:
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                seen["all_reduce"] = t.item()
+            except Exception as e:
+                seen["all_reduce"] = type(e).__name__ + ": " + str(e)
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+        random.seed(rank)
+        seen["random_here"] = random.random()
+        time.sleep(0.05 * (1 - rank))  # rank 1 submits first and starts the pool's thread
+        seen["pool"] = shared.POOL.submit(lambda: os.environ["RANK"]).result()
+        print("RESULT", json.dumps(seen), flush=True)
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", "--tee", "3", "--sync-ranks", sync_ranks, name)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"[default{rank}]:RESULT"))
+        seen = json.loads(line.split(" ", 1)[1])
+        assert seen["env"] == [str(rank), f"set by {rank}"]  # the rank's environment, its own changes too
+        assert seen["rank"] == rank  # its torch.distributed state
+        assert seen["pickled"] is True  # its __main__
+        assert seen["random"] == seen["random_here"]  # its random generator (seeded alike, the same draw)
+        assert seen["pool"] == str(rank)  # a shared pool runs each rank's task as that rank
+        assert f"[default{rank}]:PRINTED in a thread" in proc.stdout  # its output, with torchrun's prefix
+        assert f"[default{rank}]:LOG from rank {rank}: in a thread" in proc.stderr  # its logging
+        if sync_ranks == "parallel":
+            assert seen["all_reduce"] == 2.0
+        else:  # a thread does not take turns: refused at once, saying what to do
+            assert seen["all_reduce"].startswith(f"BlockingCallError: rank {rank}: all_reduce(")
+            assert "make the call on the rank's thread, or run the ranks at once" in seen["all_reduce"]

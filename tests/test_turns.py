@@ -611,3 +611,40 @@ def test_sync_ranks_keep_their_cpus_across_hand_overs() -> None:
     assert aiocoll.spawn(fn, world=3) == [(mask, mask, 3.0, other)] * 3
     assert os.sched_getaffinity(0) == mask  # the thread that called spawn, too
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_thread_a_rank_starts_cannot_make_or_wait_for_its_collectives() -> None:
+    # it does not take turns: waiting on the rank's turn event would hand the rank's turn
+    # around behind its back, so both are refused before anything moves
+    def fn(comm: Comm) -> tuple[bool, list[str], float]:
+        t = torch.ones(1)
+        pending = comm.all_reduce(t)  # (done at once on the rank that comes last; a wait then has nothing to do)
+        was_pending = not pending.done()
+        other = torch.ones(1)
+        said: list[str] = []
+
+        def helper() -> None:
+            for call in (pending.wait, lambda: comm.all_reduce(other).wait()):
+                try:
+                    call()
+                except aiocoll.BlockingCallError as e:
+                    said.append(str(e))
+
+        thread = threading.Thread(target=helper, name="helper")
+        thread.start()
+        thread.join()
+        pending.wait()  # the rank's own thread may, and the collective completes
+        assert other.item() == 1.0  # untouched
+        return was_pending, said, t.item()
+
+    results = aiocoll.spawn(fn, world=2)
+    assert [r[0] for r in results] == [True, False]
+    for rank, (was_pending, said, total) in enumerate(results):
+        assert total == 2.0
+        if was_pending:
+            wait = said.pop(0)
+            assert wait.startswith(f"rank {rank}: a wait for all_reduce(")
+            assert "'helper'" in wait
+        assert len(said) == 1
+        assert said[0].startswith(f"rank {rank}: all_reduce(float32[1]")
+        assert "sync_ranks='parallel'" in said[0]
