@@ -424,10 +424,14 @@ class RankThreads:
     a pool made once for the process serves every rank, each as itself.
     """
 
+    # aiocoll's own threads and pool tasks (a world's loop thread, its ranks', its workers)
+    # are no rank's: a world started inside a rank sets up its own
+    OWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
     @staticmethod
-    def carry() -> Callable[[Callable[[], T]], T] | None:
-        """What runs a callable as the calling rank (None outside ranks): read in the caller's thread."""
-        if _bound.rank is None:
+    def carry(caller: FrameType) -> Callable[[Callable[[], T]], T] | None:
+        """What runs a callable as the calling rank (None outside ranks, or for aiocoll's own ``caller``)."""
+        if _bound.rank is None or caller.f_code.co_filename.startswith(RankThreads.OWN):
             return None
         context = contextvars.copy_context()
         parts = (carried(), _locals.carried(), _rankmain.carried(), _runlogs.carried())
@@ -446,14 +450,14 @@ class RankThreads:
         real_start, real_submit = threading.Thread.start, ThreadPoolExecutor.submit
 
         def start(self: threading.Thread) -> None:
-            carry = RankThreads.carry()
+            carry = RankThreads.carry(sys._getframe(1))
             if carry is not None:
                 run = self.run  # (as looked up now: a subclass's, or Thread's calling the target)
                 self.run = lambda: carry(run)  # type: ignore[method-assign]
             real_start(self)
 
         def submit(self: ThreadPoolExecutor, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-            carry = RankThreads.carry()
+            carry = RankThreads.carry(sys._getframe(1))
             if carry is None:
                 return real_submit(self, fn, *args, **kwargs)
             return real_submit(self, lambda: carry(functools.partial(fn, *args, **kwargs)))

@@ -604,7 +604,8 @@ def test_threads_a_rank_starts_belong_to_it_as_in_its_process(tmp_path: Path, sy
         assert seen["env"] == [str(rank), f"set by {rank}"]  # the rank's environment, its own changes too
         assert seen["rank"] == rank  # its torch.distributed state
         assert seen["pickled"] is True  # its __main__
-        assert seen["random"] == seen["random_here"]  # its random generator (seeded alike, the same draw)
+        if sync_ranks == "turns":  # (ranks that run at once share the generators, as spawn's do)
+            assert seen["random"] == seen["random_here"]  # its random generator (seeded alike, the same draw)
         assert seen["pool"] == str(rank)  # a shared pool runs each rank's task as that rank
         assert f"[default{rank}]:PRINTED in a thread" in proc.stdout  # its output, with torchrun's prefix
         assert f"[default{rank}]:LOG from rank {rank}: in a thread" in proc.stderr  # its logging
@@ -613,3 +614,29 @@ def test_threads_a_rank_starts_belong_to_it_as_in_its_process(tmp_path: Path, sy
         else:  # a thread does not take turns: refused at once, saying what to do
             assert seen["all_reduce"].startswith(f"BlockingCallError: rank {rank}: all_reduce(")
             assert "make the call on the rank's thread, or run the ranks at once" in seen["all_reduce"]
+
+
+def test_ranks_that_a_rank_spawns_start_as_new_processes(tmp_path: Path) -> None:
+    # threads aiocoll starts for them (their world's) carry nothing of the spawning rank
+    name = script(
+        tmp_path,
+        "nested.py",
+        """
+        import os, torch.distributed as dist, torch.multiprocessing as mp
+
+        def child(i):
+            print("CHILD", i, dist.is_initialized(), os.environ["RANK"], flush=True)
+
+        if __name__ == "__main__":
+            dist.init_process_group("gloo")
+            if dist.get_rank() == 1:
+                mp.spawn(child, nprocs=2)
+            dist.barrier()
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", name)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(x for x in proc.stdout.splitlines() if x.startswith("CHILD")) == [
+        "CHILD 0 False 1",  # no process group of its parent's; its parent's environment, as a child process
+        "CHILD 1 False 1",
+    ]
