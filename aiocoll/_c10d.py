@@ -323,6 +323,17 @@ class AiocollProcessGroup(dist.ProcessGroup):
         if name and ":" not in name and "," not in name and name != "undefined":
             self._reported = name
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices its collectives take, as the backend it stands in for lists them (gloo's: both).
+
+        torch asks: ``dcp.async_save`` refuses a group without the CPU. (torch lists the
+        backends a group registered; this group is its own, and registers none.)
+        """
+        if self._reported == "nccl":
+            return [torch.device("cuda")]
+        return [torch.device("cuda"), torch.device("cpu")]
+
     @staticmethod
     def create_device(*args: object, **kwargs: object) -> dist.ProcessGroupGloo.Device:
         """gloo's ``create_device``, for code that asks its backend (aiocoll's collectives use no device)."""

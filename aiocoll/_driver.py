@@ -266,6 +266,7 @@ class WorldRun:
 
         def main() -> None:
             rank_var().set(st)
+            st.thread = threading.get_ident()
             ok, value = False, cast(Any, None)
             # as torch's threaded process group does: autograd must not hand work to its
             # own device threads from a rank thread (a setting of this thread: not undone, it ends)

@@ -140,6 +140,7 @@ class RankState:
         "rank",
         "record",
         "tasks",
+        "thread",
         "waiting",
         "world",
     )
@@ -160,6 +161,13 @@ class RankState:
         self.record: deque[Stamp] | None = None  # its flight-recorder ring, when the world records
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
+        # the rank's own thread (sync ranks; 0: none yet): a thread it starts takes no turns,
+        # and its waits do not make the rank blocked
+        self.thread = 0
+
+    def on_own_thread(self) -> bool:
+        """Whether the calling thread is this rank's own (not one the rank started)."""
+        return self.thread == _thread.get_ident()
 
     @property
     def blocked(self) -> bool:
@@ -312,7 +320,10 @@ class EngineWork(Work):
         self._event: _Latch | TurnEvent | None = None
         if threaded:
             turns = world.turns
-            self._event = _Latch() if turns is None else TurnEvent(turns, self._rank.rank)
+            if turns is not None and self._rank.on_own_thread():
+                self._event = TurnEvent(turns, self._rank.rank)
+            else:  # ranks that run at once, or a thread the rank started (it takes no turns)
+                self._event = _Latch()
         self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
@@ -417,10 +428,15 @@ class EngineWork(Work):
             event = self._event
             if event is None:  # issued on the loop, waited from a thread
                 raise RuntimeError("this work was issued on the event loop; await it there")
-            if isinstance(event, TurnEvent) and not event.runs_in_owner():
-                raise BlockingCallError(not_the_rank_s_thread(self._rank.rank, f"a wait for {self._call.describe()}"))
+            own = self._rank.on_own_thread()
+            if isinstance(event, TurnEvent) and not own:
+                raise BlockingCallError(not_the_rank_s_thread(self._rank.rank, self._call.describe()))
             lock = world.lock
-            if timeout is None and lock is not None:
+            if timeout is None and not own:
+                # a thread the rank started (an async checkpoint's, say): it holds no turn to
+                # hand over, and the rank is not blocked while its own thread runs on
+                event.wait()
+            elif timeout is None and lock is not None:
                 # ranks take turns: report the wait now, then hand the turn over
                 with lock:
                     world.park(self)

@@ -8,9 +8,8 @@ from . import _cuda
 from . import _ops as ops
 from ._comm import Comm
 from ._engine import EngineWork, Group, World, current_rank_state
-from ._errors import AiocollError, BlockingCallError
+from ._errors import AiocollError
 from ._stats import Statistics
-from ._turns import not_the_rank_s_thread
 
 __all__ = ["EngineComm", "rank_generator"]
 
@@ -59,11 +58,6 @@ class EngineComm(Comm):
         return self._group.bridge is None
 
     def _join(self, call: ops.Call) -> EngineWork:
-        if self._threaded:
-            turns = self._world.turns
-            owner = self._group.ranks[self.rank]
-            if turns is not None and not turns.runs_in(owner):
-                raise BlockingCallError(not_the_rank_s_thread(owner, call.describe()))
         work = EngineWork(self._group, self.rank, call, self._site(), self._threaded)
         # CUDA inputs are ready where the caller's current stream is now: mark it here, in
         # the caller's thread (current streams are per thread)

@@ -143,6 +143,9 @@ class WorldAbortedError(AiocollError, RuntimeError):
 class BlockingCallError(AiocollError, RuntimeError):
     """A blocking wait was made on the event loop thread, where it would deadlock.
 
+    (Or, while sync ranks take turns, on a thread a rank started, for a collective the
+    rank made on its own thread: only that thread may wait for it.)
+
     The loop it blocks is the one that completes the collective. On the loop, use
     ``await comm.all_reduce(t)`` or ``await dist.all_reduce(t, async_op=True)``. The
     refused call has not joined the collective, so the rank may still make it:

@@ -311,10 +311,6 @@ class Turns:
         """A one-shot event rank ``rank`` may wait on, giving up its turn meanwhile."""
         return TurnEvent(self, rank)
 
-    def runs_in(self, rank: int) -> bool:
-        """Whether the calling thread is rank ``rank``'s own (a thread the rank starts does not take turns)."""
-        return self._threads[rank] == threading.get_ident()
-
     def _pass_on(self, sleeping: bool = False) -> None:
         """With ``_mu`` held: hand the turn to the next ready rank, if any.
 
@@ -417,11 +413,11 @@ class Turns:
 
 
 def not_the_rank_s_thread(rank: int, what: str) -> str:
-    """Why a rank's collective is refused on a thread the rank started (``BlockingCallError``)."""
+    """Why a wait is refused on a thread the rank started, for a work made on its own (``BlockingCallError``)."""
     return (
-        f"rank {rank}: {what} on thread {threading.current_thread().name!r}, not the rank's own: ranks that "
-        "take turns make their collectives and wait for them on their own threads, and a thread a rank starts "
-        "does not take turns; make the call on the rank's thread, or run the ranks at once "
+        f"rank {rank}: a wait for {what} on thread {threading.current_thread().name!r}, which the rank made on "
+        "its own thread: while ranks take turns, only that thread may wait for it (waiting hands the rank's "
+        "turn over); wait for it there, make the call on this thread, or run the ranks at once "
         "(spawn(..., sync_ranks='parallel'), aiocoll run --sync-ranks parallel)"
     )
 
@@ -447,10 +443,6 @@ class TurnEvent:
 
     def is_set(self) -> bool:
         return self._flag
-
-    def runs_in_owner(self) -> bool:
-        """Whether the calling thread is the rank's own, the one thread that may wait here."""
-        return self._turns.runs_in(self.rank)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is set, after waiting up to ``timeout`` seconds (None: until it is)."""

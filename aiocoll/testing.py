@@ -303,6 +303,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup
         raise err
     st = run.world.ranks[rank]
     rank_var().set(st)  # this thread's context: every later call here acts for this rank
+    st.thread = threading.get_ident()
     # as torch's threaded process group does: backward must run on this thread
     torch.autograd.set_multithreading_enabled(False)
     return _DefaultGroup(run, st, str(opts.group_id))
