@@ -325,13 +325,13 @@ class AiocollProcessGroup(dist.ProcessGroup):
 
     @property
     def _device_types(self) -> list[torch.device]:
-        """The devices its collectives take, as the backend it stands in for lists them (gloo's: both).
+        """The devices its collectives take, both, as a gloo group lists them (whatever backend it stands in for).
 
         torch asks: ``dcp.async_save`` refuses a group without the CPU. (torch lists the
-        backends a group registered; this group is its own, and registers none.)
+        backends a group registered; this group is its own, and registers none.) Not
+        ``[cuda]`` for "nccl": torch would then move object collectives' bytes to a GPU,
+        where a script that names nccl on a machine without one runs on the CPU here.
         """
-        if self._reported == "nccl":
-            return [torch.device("cuda")]
         return [torch.device("cuda"), torch.device("cpu")]
 
     @staticmethod

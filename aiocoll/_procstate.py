@@ -408,8 +408,13 @@ class Cooperative:
             pause = _bound.pause
             if pause is not None and self is not threading.current_thread():
                 deadline = None if timeout is None else time.monotonic() + timeout
-                while not done(self) and (deadline is None or time.monotonic() < deadline):
-                    pause(Cooperative.POLL)
+                try:
+                    while not done(self) and (deadline is None or time.monotonic() < deadline):
+                        pause(Cooperative.POLL)
+                except Exception:
+                    # the world was aborted (ranks no longer take turns): wait as before, and let
+                    # a rank's own error stand (torch's run_test joins its pipe's listener as it fails)
+                    pass
                 if deadline is not None:
                     timeout = max(deadline - time.monotonic(), 0.0)
             return real(self, timeout)
