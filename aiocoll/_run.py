@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
 
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """The garbage collector off while torchrun's parser is imported and read, as it was before after.
+    """The garbage collector off while torchrun's parser is imported and read; on again after, if it was.
 
     Why: with torch loaded, the objects that import makes set off full collections, each a walk
     over all of torch's objects: they were 0.14 s of the import's 0.18 s, most of ``aiocoll
