@@ -323,17 +323,6 @@ class AiocollProcessGroup(dist.ProcessGroup):
         if name and ":" not in name and "," not in name and name != "undefined":
             self._reported = name
 
-    @property
-    def _device_types(self) -> list[torch.device]:
-        """The devices its collectives take, both, as a gloo group lists them (whatever backend it stands in for).
-
-        torch asks: ``dcp.async_save`` refuses a group without the CPU. (torch lists the
-        backends a group registered; this group is its own, and registers none.) Not
-        ``[cuda]`` for "nccl": torch would then move object collectives' bytes to a GPU,
-        where a script that names nccl on a machine without one runs on the CPU here.
-        """
-        return [torch.device("cuda"), torch.device("cpu")]
-
     @staticmethod
     def create_device(*args: object, **kwargs: object) -> dist.ProcessGroupGloo.Device:
         """gloo's ``create_device``, for code that asks its backend (aiocoll's collectives use no device)."""

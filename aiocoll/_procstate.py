@@ -372,7 +372,7 @@ class Cooperative:
     """Wrappers that wait by letting the other ranks run, in a bound rank thread.
 
     Besides sleeps and store waits: a rank waiting for a thread it started (``join``) or for
-    a pool's task (``Future.result``, as ``dcp.async_save``'s caller does), whose work may
+    a pool's task (``Future.result``, as a caller of ``dcp.async_save`` does), whose work may
     be a collective that the other ranks must join.
     """
 
