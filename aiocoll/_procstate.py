@@ -369,12 +369,7 @@ class RankExit:
 
 
 class Cooperative:
-    """Wrappers that wait by letting the other ranks run, in a bound rank thread.
-
-    Besides sleeps and store waits: a rank waiting for a thread it started (``join``) or for
-    a pool's task (``Future.result``, as a caller of ``dcp.async_save`` does), whose work may
-    be a collective that the other ranks must join.
-    """
+    """Wrappers that wait by letting the other ranks run, in a bound rank thread."""
 
     POLL = 0.002  # seconds between two looks at a store while others run
 
@@ -390,39 +385,11 @@ class Cooperative:
                 pause(seconds)
 
         out: list[Patch] = [(time, "sleep", sleep)]
-        out += Cooperative._until_done(threading.Thread, "join", lambda t: not t.is_alive())
-        out += Cooperative._until_done(Future, "result", Future.done)
-        out += Cooperative._until_done(Future, "exception", Future.done)
         for name in ("get", "wait", "multi_get"):
             real = getattr(_Store, name, None)
             if real is not None:
                 out.append((_Store, name, Cooperative._store_wait(name, real)))
         return out
-
-    @staticmethod
-    def _until_done(owner: type[Any], name: str, done: Callable[[Any], bool]) -> list[Patch]:
-        """``owner.name(self, timeout=None)`` that lets the others run until ``done(self)``, then calls the real one."""
-        real: Callable[..., object] = getattr(owner, name)
-
-        def wrapper(self: Any, timeout: float | None = None) -> object:
-            pause = _bound.pause
-            if pause is not None and self is not threading.current_thread():
-                deadline = None if timeout is None else time.monotonic() + timeout
-                try:
-                    while not done(self) and (deadline is None or time.monotonic() < deadline):
-                        pause(Cooperative.POLL)
-                except Exception:
-                    # the world was aborted (ranks no longer take turns): wait as before, and let
-                    # a rank's own error stand (torch's run_test joins its pipe's listener as it fails)
-                    pass
-                if deadline is not None:
-                    timeout = max(deadline - time.monotonic(), 0.0)
-            return real(self, timeout)
-
-        wrapper.__name__ = wrapper.__qualname__ = name
-        wrapper.__doc__ = real.__doc__
-        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
-        return [(owner, name, wrapper)]
 
     @staticmethod
     def _store_wait(name: str, real: Callable[..., object]) -> Callable[..., object]:

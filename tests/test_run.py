@@ -671,4 +671,3 @@ def test_a_checkpoint_saves_on_a_pool_thread_while_the_rank_goes_on(tmp_path: Pa
         "RESULT 0 True 2.0",
         "RESULT 1 True 2.0",
     ]
-    assert "outside torch.distributed" not in proc.stderr  # its wait let the others run: no stall warning
