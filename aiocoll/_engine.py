@@ -679,7 +679,7 @@ class World:
         # p2p: no sequence number; its own stamp, as both sides may finish at other times
         ring = work._rank.record
         if ring is not None:
-            stamp = work._stamp = Stamp(work._group.name, {work._rank.rank: 0}, None, call.describe(), 1)
+            stamp = work._stamp = Stamp(work._group.name, {work._rank.rank: 0}, None, call.record_info(), 1)
             stamp.arrive(0, work._site)
             ring.append(stamp)
         bridge = work._group.bridge

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from . import _torch
 from ._errors import AiocollError
+from ._ops import OpRecord, P2PRecord, Shape, record_of
 from ._record import DEFAULT_RECORD, ProcessRecorder, Stamp, format_signature
 
 __all__ = ["ENV", "GroupInfo", "dump_flight_recorder", "dump_process", "dump_world", "on_failure", "process_recorder"]
@@ -87,60 +87,35 @@ _Shape = list[list[int]]
 _Op = tuple[str, _Shape, _Shape, str]
 
 
-def _sizes(shape: object) -> _Shape:
-    return [[int(n) for n in shape]] if isinstance(shape, tuple) else [[0]]
+def _sizes(shape: Shape | None) -> _Shape:
+    return [[0]] if shape is None else [list(shape)]  # 0: a size the records leave open
 
 
-def _collective(sig: Hashable, size: int) -> _Op | None:
-    """The analyzer's view of a collective's signature (see ``aiocoll._ops``), or None if unknown."""
-    if isinstance(sig, str):
-        sig = (sig,)
-    if not (isinstance(sig, tuple) and sig and isinstance(sig[0], str)):
-        return None
-    name, args = sig[0], sig[1:]
-    if name in ("all_reduce", "broadcast", "reduce", "gather", "scatter"):
-        # (kind?, root?, dtype, shape): the dtype and shape are last
-        shape = _sizes(args[-1])
-        return name, shape, shape, _dtype_name(args[-2])
-    if name == "all_gather_into_tensor":  # (dtype, input shape, output shape)
-        return "_all_gather_base", _sizes(args[1]), _sizes(args[2]), _dtype_name(args[0])
-    if name == "reduce_scatter_tensor":  # (kind, dtype, output shape, input shape)
-        return "_reduce_scatter_base", _sizes(args[3]), _sizes(args[2]), _dtype_name(args[1])
-    if name == "reduce_scatter":  # (kind, dtype, output shape): the inputs hold size outputs
-        out = _sizes(args[2])
-        return "reduce_scatter", [[size, *out[0]]], out, _dtype_name(args[1])
-    if name == "all_gather":  # (dtype, number of outputs): the shapes are not in the signature
-        return "all_gather", [[0]], [[0]], _dtype_name(args[0])
-    if name in ("all_to_all", "all_to_all_single"):  # splits are the ranks' own
-        return "all_to_all", [[0]], [[0]], _dtype_name(args[0])
-    if name in ("barrier", "new_group", "split"):
+# aiocoll's op names that torch's analyzer knows by another (objects move as bytes)
+_ANALYZER_NAMES = {
+    "all_gather_into_tensor": "_all_gather_base",
+    "reduce_scatter_tensor": "_reduce_scatter_base",
+    "all_to_all_single": "all_to_all",
+    "broadcast_object": "broadcast",
+    "all_gather_object": "all_gather",
+    "gather_object": "gather",
+    "scatter_object": "scatter",
+}
+_BARRIERS = ("barrier", "new_group", "split")  # written as NCCL writes a barrier
+
+
+def _collective(rec: OpRecord) -> _Op:
+    """The analyzer's view of a collective."""
+    if rec.op in _BARRIERS:
         return "all_reduce_barrier", [[1]], [[1]], "Float"
-    objects = {
-        "broadcast_object": "broadcast",
-        "all_gather_object": "all_gather",
-        "gather_object": "gather",
-        "scatter_object": "scatter",
-    }
-    if name in objects:
-        return objects[name], [[0]], [[0]], "Byte"
-    return None
+    return _ANALYZER_NAMES.get(rec.op, rec.op), _sizes(rec.inputs), _sizes(rec.outputs), _dtype_name(rec.dtype)
 
 
-# p2p stamps keep the call's description, e.g. "send(float32[3], dst=1, tag=0)"
-_P2P = re.compile(r"^(send|recv)\((\w+)\[([\d, ]*)\], (?:dst|src)=(\w+), tag=-?\d+\)$")
-
-
-def _p2p(sig: Hashable, me: int) -> tuple[str, _Shape, str] | None:
-    """(the op as the analyzer names it, e.g. "send 0->1", its sizes, its dtype), or None."""
-    m = _P2P.match(sig) if isinstance(sig, str) else None
-    if m is None:
-        return None
-    kind, dtype, shape, peer = m.groups()
-    sizes = [[int(n) for n in shape.split(",") if n.strip()]]
-    dt = getattr(torch, dtype, None)
-    peer = "?" if peer == "any" else peer
-    name = f"send {me}->{peer}" if kind == "send" else f"recv {me}<-{peer}"
-    return name, sizes, _dtype_name(dt)
+def _p2p(rec: P2PRecord, me: int) -> tuple[str, _Shape, str]:
+    """(the op as the analyzer names it, e.g. "send 0->1", its sizes, its dtype)."""
+    peer = "?" if rec.peer is None else rec.peer
+    name = f"send {me}->{peer}" if rec.op == "send" else f"recv {me}<-{peer}"
+    return name, _sizes(rec.shape), _dtype_name(rec.dtype)
 
 
 def _state(stamp: Stamp) -> str:
@@ -215,9 +190,12 @@ def rank_dump(
             continue
         g = stamp.index[rank]  # the stamp's own column of this rank
         sig = stamp.sig_of(g)
+        rec = record_of(sig, len(info.ranks))
         if stamp.seq is None:
-            p2p = _p2p(sig, me)
-            if stamp.outcome == "ok" or p2p is None or not _torch.fr_accepts(f"{lib}:{p2p[0]}"):
+            if not isinstance(rec, P2PRecord):
+                continue
+            p2p = _p2p(rec, me)
+            if stamp.outcome == "ok" or not _torch.fr_accepts(f"{lib}:{p2p[0]}"):
                 # The analyzer wants every member of the group at a send or recv: a done
                 # one would be flagged, so only those still pending (or failed) are
                 # written; and not a recv from any source before torch 2.15, whose
@@ -228,10 +206,9 @@ def rank_dump(
             p2p_counts[info.name] = n = p2p_counts.get(info.name, 0) + 1
             coll_seq, p2p_seq = -1, -n
         else:
-            op = _collective(sig, len(info.ranks))
-            if op is None:
-                continue
-            name, sizes, out_sizes, dtype = op
+            if not isinstance(rec, OpRecord):
+                continue  # not a signature of aiocoll's ops
+            name, sizes, out_sizes, dtype = _collective(rec)
             coll_seq, p2p_seq = stamp.seq, 0
         state = _state(stamp)
         pg_id = groups.saw(info, stamp.seq, state)

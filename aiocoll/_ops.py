@@ -24,7 +24,7 @@ import functools
 import pickle
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, ParamSpec, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,11 @@ from ._errors import InvalidArgumentError
 __all__ = [
     "OPS",
     "Call",
+    "OpRecord",
+    "P2PRecord",
     "Reduction",
     "checked_reduction",
+    "record_of",
     "reduce_tensors",
 ]
 
@@ -332,6 +335,45 @@ def _fmt_list(ts: Sequence[torch.Tensor] | None) -> str:
     return "[" + ", ".join(_fmt(t) for t in ts) + "]"
 
 
+Shape = tuple[int, ...]
+
+
+class OpRecord(NamedTuple):
+    """A collective as records show it, read back from its signature by its op class.
+
+    ``inputs``/``outputs``: one rank's input and output shape, None where the signature
+    leaves them to each rank (``all_gather``'s list, ``all_to_all``'s splits) or no tensor
+    moves; ``dtype``: None where the op moves objects or nothing.
+
+    >>> record_of(AllReduce(torch.zeros(2, 3), Reduction.of(dist.ReduceOp.SUM)).signature(), 4)
+    OpRecord(op='all_reduce', inputs=torch.Size([2, 3]), outputs=torch.Size([2, 3]), dtype=torch.float32)
+    """
+
+    op: str
+    inputs: Shape | None = None
+    outputs: Shape | None = None
+    dtype: torch.dtype | None = None
+
+
+class P2PRecord(NamedTuple):
+    """A send or recv as records show it; its text is the call's ``describe()``.
+
+    >>> str(P2PRecord("recv", torch.float32, (3,), None, 0))
+    'recv(float32[3], src=any, tag=0)'
+    """
+
+    op: str  # "send" or "recv"
+    dtype: torch.dtype
+    shape: Shape
+    peer: int | None  # the dst of a send, the src of a recv (None: any source)
+    tag: int
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        peer = "any" if self.peer is None else self.peer
+        return f"{self.op}({dt}{list(self.shape)}, {'dst' if self.op == 'send' else 'src'}={peer}, tag={self.tag})"
+
+
 class Call(Protocol):
     """One rank's arguments to one collective (every op class is a dataclass)."""
 
@@ -365,6 +407,15 @@ class _Base:
         """Cross-rank consistency beyond the signature; returns a problem or None."""
         return None
 
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        """How records show a call of signature ``sig`` (one this class made) in a group of ``size``.
+
+        Read back here, beside ``signature()``, so that the tuple's layout is known to
+        its class alone. The default: no tensor shapes, no dtype.
+        """
+        return OpRecord(sig[0])
+
 
 @dataclass(slots=True)
 class AllReduce(_Base):
@@ -374,6 +425,11 @@ class AllReduce(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.op.kind, self.tensor.dtype, _shape(self.tensor))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, shape = sig
+        return OpRecord(name, shape, shape, dtype)
 
     def describe(self) -> str:
         return f"all_reduce({_fmt(self.tensor)}, op={self.op!r})"
@@ -410,6 +466,11 @@ class Reduce(_Base):
     def signature(self) -> Hashable:
         return (self.name, self.dst, self.op.kind, self.tensor.dtype, _shape(self.tensor))
 
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, _, dtype, shape = sig
+        return OpRecord(name, shape, shape, dtype)
+
     def describe(self) -> str:
         return f"reduce({_fmt(self.tensor)}, dst={self.dst}, op={self.op!r})"
 
@@ -434,6 +495,11 @@ class Broadcast(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.src, self.tensor.dtype, _shape(self.tensor))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, shape = sig
+        return OpRecord(name, shape, shape, dtype)
 
     def describe(self) -> str:
         return f"broadcast({_fmt(self.tensor)}, src={self.src})"
@@ -460,6 +526,11 @@ class AllGather(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.input.dtype, len(self.outputs))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, dtype, _ = sig
+        return OpRecord(name, None, None, dtype)
 
     def describe(self) -> str:
         return f"all_gather({_fmt_list(self.outputs)}, {_fmt(self.input)})"
@@ -497,6 +568,11 @@ class AllGatherIntoTensor(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.input.dtype, _shape(self.input), _shape(self.output))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, dtype, inp, out = sig
+        return OpRecord(name, inp, out, dtype)
 
     def describe(self) -> str:
         return f"all_gather_into_tensor({_fmt(self.output)}, {_fmt(self.input)})"
@@ -539,6 +615,11 @@ class Gather(_Base):
     def signature(self) -> Hashable:
         return (self.name, self.dst, self.input.dtype, _shape(self.input))
 
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, shape = sig
+        return OpRecord(name, shape, shape, dtype)
+
     def describe(self) -> str:
         return f"gather({_fmt(self.input)}, gather_list={_fmt_list(self.outputs)}, dst={self.dst})"
 
@@ -566,6 +647,11 @@ class Scatter(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.src, self.output.dtype, _shape(self.output))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, shape = sig
+        return OpRecord(name, shape, shape, dtype)
 
     def describe(self) -> str:
         return f"scatter({_fmt(self.output)}, scatter_list={_fmt_list(self.inputs)}, src={self.src})"
@@ -596,6 +682,13 @@ class ReduceScatter(_Base):
         # (ranks' outputs may differ in shape, input i being rank i's: the inputs must agree)
         return (self.name, self.op.kind, self.output.dtype, tuple(_shape(x) for x in self.inputs))
 
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, shapes = sig
+        if not shapes or any(sh != shapes[0] for sh in shapes):
+            return OpRecord(name, None, None, dtype)  # outputs of several shapes: each rank's own
+        return OpRecord(name, (len(shapes), *shapes[0]), tuple(shapes[0]), dtype)
+
     def describe(self) -> str:
         return f"reduce_scatter({_fmt(self.output)}, {_fmt_list(self.inputs)}, op={self.op!r})"
 
@@ -624,6 +717,11 @@ class ReduceScatterTensor(_Base):
     def signature(self) -> Hashable:
         return (self.name, self.op.kind, self.output.dtype, _shape(self.output), _shape(self.input))
 
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, _, dtype, out, inp = sig
+        return OpRecord(name, inp, out, dtype)
+
     def describe(self) -> str:
         return f"reduce_scatter_tensor({_fmt(self.output)}, {_fmt(self.input)}, op={self.op!r})"
 
@@ -650,6 +748,11 @@ class AllToAll(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.inputs[0].dtype if self.inputs else None, len(self.outputs))
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, dtype, _ = sig
+        return OpRecord(name, None, None, dtype)
 
     def describe(self) -> str:
         return f"all_to_all({_fmt_list(self.outputs)}, {_fmt_list(self.inputs)})"
@@ -690,6 +793,11 @@ class AllToAllSingle(_Base):
 
     def signature(self) -> Hashable:
         return (self.name, self.input.dtype, _shape(self.input)[1:], _shape(self.output)[1:])
+
+    @staticmethod
+    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+        name, dtype, _, _ = sig
+        return OpRecord(name, None, None, dtype)
 
     def describe(self) -> str:
         return (
@@ -911,7 +1019,11 @@ class Send(_Base):
     tag: int
 
     def describe(self) -> str:
-        return f"send({_fmt(self.tensor)}, dst={self.dst}, tag={self.tag})"
+        return str(self.record_info())
+
+    def record_info(self) -> P2PRecord:
+        """This call as records show it (p2p calls are recorded one by one, not by signature)."""
+        return P2PRecord(self.name, self.tensor.dtype, _shape(self.tensor), self.dst, self.tag)
 
     def signature(self) -> Hashable:
         return (self.name, self.dst, self.tag)
@@ -925,8 +1037,11 @@ class Recv(_Base):
     tag: int
 
     def describe(self) -> str:
-        src = "any" if self.src is None else self.src
-        return f"recv({_fmt(self.tensor)}, src={src}, tag={self.tag})"
+        return str(self.record_info())
+
+    def record_info(self) -> P2PRecord:
+        """This call as records show it (p2p calls are recorded one by one, not by signature)."""
+        return P2PRecord(self.name, self.tensor.dtype, _shape(self.tensor), self.src, self.tag)
 
     def signature(self) -> Hashable:
         return (self.name, self.src, self.tag)
@@ -970,3 +1085,21 @@ OPS: tuple[type[_Base], ...] = (
     NewGroup,
     Split,
 )
+
+_OPS_BY_NAME: dict[str, type[_Base]] = {op.name: op for op in OPS}
+
+
+def record_of(sig: Hashable, size: int) -> OpRecord | P2PRecord | None:
+    """How records show a call of signature ``sig`` in a group of ``size``; None if no op made it.
+
+    ``sig`` is a collective's ``signature()`` (maybe another process's: signatures travel
+    in cross-process reports) or a p2p call's ``record_info()``.
+    """
+    if isinstance(sig, P2PRecord):
+        return sig
+    if isinstance(sig, str):
+        sig = (sig,)
+    if not (isinstance(sig, tuple) and sig and isinstance(sig[0], str)):
+        return None
+    op = _OPS_BY_NAME.get(sig[0])
+    return None if op is None else op.record(sig, size)

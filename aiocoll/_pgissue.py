@@ -242,7 +242,7 @@ class Issuer:
         fut: asyncio.Future[object] = loop.create_future()
         self.pending[fut] = call
         if isinstance(call, _P2P):
-            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, None, call.describe(), site)
+            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, None, call.record_info(), site)
         else:
             stamp = self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
             self._seq += 1

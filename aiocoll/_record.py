@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ._ops import P2PRecord
+
 __all__ = ["DEFAULT_RECORD", "ProcessRecorder", "Recorder", "Stamp", "format_signature", "summarize_trace"]
 
 DEFAULT_RECORD = 64
@@ -294,8 +296,8 @@ def _fmt_value(v: object) -> str:
 
 def format_signature(sig: Hashable) -> str:
     """A short text for a call signature, e.g. ``all_reduce SUM f32[3]``."""
-    if isinstance(sig, str):
-        return sig
+    if isinstance(sig, str | P2PRecord):
+        return str(sig)  # a p2p call's record reads as the call
     if not (isinstance(sig, tuple) and sig and isinstance(sig[0], str)):
         return str(sig)
     parts: list[str] = [sig[0]]

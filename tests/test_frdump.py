@@ -115,6 +115,12 @@ def test_on_demand_dump_of_a_healthy_world_has_no_errors(tmp_path: Path, monkeyp
         await comm.all_reduce(t)
         await comm.broadcast(t, 1)
         await comm.reduce_scatter_tensor(torch.empty(1), t)
+        await comm.reduce_scatter(torch.empty(1), list(t.chunk(4)))
+        await comm.reduce(t, 0)
+        await comm.all_gather([torch.empty(4) for _ in range(4)], t)
+        await comm.gather(t, [torch.empty(4) for _ in range(4)] if comm.rank == 0 else None, 0)
+        await comm.scatter(torch.empty(4), [t.clone() for _ in range(4)] if comm.rank == 0 else None, 0)
+        await comm.all_to_all_single(torch.empty(4), t)
         await comm.all_gather_object(comm.rank)
         if comm.rank == 0:
             await comm.send(t, 1)
@@ -141,12 +147,23 @@ def test_on_demand_dump_of_a_healthy_world_has_no_errors(tmp_path: Path, monkeyp
         "nccl:all_reduce",
         "nccl:broadcast",
         "nccl:_reduce_scatter_base",
+        "nccl:reduce_scatter",
+        "nccl:reduce",
+        "nccl:all_gather",
+        "nccl:gather",
+        "nccl:scatter",
+        "nccl:all_to_all",
         "nccl:all_gather",
         "nccl:all_reduce_barrier",
         "nccl:all_reduce",
         "nccl:all_reduce_barrier",
     ]
     assert all(e["state"] == "completed" for e in dump["entries"])
+    sizes = {e["profiling_name"]: (e["input_sizes"], e["output_sizes"]) for e in dump["entries"]}
+    assert sizes["nccl:_reduce_scatter_base"] == ([[4]], [[1]])
+    assert sizes["nccl:reduce_scatter"] == ([[4, 1]], [[1]])  # four inputs of [1]
+    assert sizes["nccl:reduce"] == sizes["nccl:gather"] == ([[4]], [[4]])
+    assert sizes["nccl:all_to_all"] == ([[0]], [[0]])  # splits are each rank's own
     assert len(dump["pg_config"]) == 2
     for directory in (tmp_path / "a", tmp_path / "b"):
         out = fr_trace(directory)
