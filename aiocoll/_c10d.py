@@ -33,6 +33,7 @@ from ._belongings import Belongings, Kind
 from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
+from ._paths import PACKAGE_DIR
 from ._work import Site, Work
 
 if TYPE_CHECKING:
@@ -236,7 +237,6 @@ def _all_ok(f: torch.futures.Future[list[torch.futures.Future[object]]], value: 
 # -- the process group -------------------------------------------------------------------
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
 
 
 class _C10dComm(EngineComm):
@@ -258,7 +258,7 @@ _SKIPPED: set[CodeType] = set()
 
 def _skipped(code: CodeType) -> bool:
     """Whether a frame running ``code``, not yet in ``_SKIPPED``, is torch's or aiocoll's rather than the user's."""
-    if code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+    if code.co_filename.startswith((_TORCH_DIR, PACKAGE_DIR)):
         _SKIPPED.add(code)
         return True
     return False

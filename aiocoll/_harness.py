@@ -46,6 +46,7 @@ from ._driver import WorldRun
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
 from ._outcome import echoes_abort
+from ._paths import PACKAGE_DIR
 from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
@@ -69,10 +70,9 @@ __all__ = [
 TERMINATED = -int(signal.SIGTERM)
 # ranks still running this long after the world was cancelled are given up on
 GRACE = 5.0
-_OWN_DIR = os.path.dirname(__file__)
 _THREADING = threading.__file__
 # where the frames that start a rank come from: aiocoll's, asyncio's, the thread's, uvloop's
-_STARTERS = (_OWN_DIR, os.path.dirname(asyncio.__file__) + os.sep, _THREADING, "uvloop")
+_STARTERS = (PACKAGE_DIR, os.path.dirname(asyncio.__file__) + os.sep, _THREADING, "uvloop")
 # a pausing rank looks this often whether its world was aborted
 PAUSE_SLICE = 0.05
 # backends whose groups become aiocoll groups in a harness rank (any device's, in "cpu:gloo,cuda:nccl")
@@ -465,9 +465,9 @@ def _outside_aiocoll(stack: list[traceback.FrameSummary]) -> list[traceback.Fram
     for its turn.
     """
     start, end = 0, len(stack)
-    while start < end - 1 and stack[start].filename.startswith((_OWN_DIR, _THREADING)):
+    while start < end - 1 and stack[start].filename.startswith((PACKAGE_DIR, _THREADING)):
         start += 1
-    while end > start + 1 and stack[end - 1].filename.startswith(_OWN_DIR):
+    while end > start + 1 and stack[end - 1].filename.startswith(PACKAGE_DIR):
         end -= 1
     return stack[start:end]
 

@@ -39,7 +39,7 @@ import contextlib
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from . import _torch
+from ._carry import carry
 
 __all__ = ["RankLocals", "carried"]
 
@@ -209,19 +210,7 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     holds the turn: they are swapped as ranks take turns, and a thread does not take turns.)
     """
     bound = getattr(_bound, "rank", None)
-    if bound is None:
-        return contextlib.nullcontext
-
-    @contextlib.contextmanager
-    def draws_as() -> Iterator[None]:
-        before = getattr(_bound, "rank", None)
-        _bound.rank = bound
-        try:
-            yield
-        finally:
-            _bound.rank = before
-
-    return draws_as
+    return contextlib.nullcontext if bound is None else carry(_bound, rank=bound)
 
 
 _dispatch_lock = threading.Lock()

@@ -56,7 +56,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from . import _locals, _rankmain, _runlogs
+from ._carry import carry
 from ._logstate import RankLogging, descriptors
+from ._paths import PACKAGE_DIR
 
 if TYPE_CHECKING:
     from ._torch import Store
@@ -166,20 +168,10 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
 
     Not its turn: such a thread's ``time.sleep`` and store waits are the real ones.
     """
-    rank, environ, exits, logs = _bound.rank, _bound.environ, _bound.exits, _bound.logging
-    if rank is None:
+    b = _bound
+    if b.rank is None:
         return contextlib.nullcontext
-
-    @contextlib.contextmanager
-    def as_rank() -> Iterator[None]:
-        before = (_bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging)
-        _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = rank, environ, None, exits, logs
-        try:
-            yield
-        finally:
-            _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = before
-
-    return as_rank
+    return carry(b, rank=b.rank, environ=b.environ, pause=None, exits=b.exits, logging=b.logging)
 
 
 def _rank_logging() -> RankLogging | None:
@@ -426,12 +418,10 @@ class RankThreads:
 
     # aiocoll's own threads and pool tasks (a world's loop thread, its ranks', its workers)
     # are no rank's: a world started inside a rank sets up its own
-    OWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-
     @staticmethod
     def carry(caller: FrameType) -> Callable[[Callable[[], T]], T] | None:
         """What runs a callable as the calling rank (None outside ranks, or for aiocoll's own ``caller``)."""
-        if _bound.rank is None or caller.f_code.co_filename.startswith(RankThreads.OWN):
+        if _bound.rank is None or caller.f_code.co_filename.startswith(PACKAGE_DIR):
             return None
         context = contextvars.copy_context()
         parts = (carried(), _locals.carried(), _rankmain.carried(), _runlogs.carried())

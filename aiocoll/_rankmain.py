@@ -24,9 +24,11 @@ import importlib.util
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
+
+from ._carry import carry
 
 __all__ = ["MainByRank", "bound", "carried", "module_main", "target"]
 
@@ -65,16 +67,9 @@ def target(mains: MainByRank) -> types.ModuleType:
     return module if module is not None else object.__getattribute__(mains, "_aiocoll_process")
 
 
-@contextlib.contextmanager
-def bound(mains: MainByRank, module: types.ModuleType) -> Iterator[None]:
+def bound(mains: MainByRank, module: types.ModuleType) -> AbstractContextManager[None]:
     """While the calling thread runs ``module`` as its ``__main__``."""
-    local = object.__getattribute__(mains, "_aiocoll_local")
-    before = getattr(local, "module", None)  # (a pool thread runs one rank's task after another's)
-    local.module = module
-    try:
-        yield
-    finally:
-        local.module = before
+    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)()
 
 
 def carried() -> Callable[[], AbstractContextManager[None]]:
@@ -86,7 +81,7 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     if not isinstance(mains, MainByRank):
         return contextlib.nullcontext
     module = target(mains)
-    return lambda: bound(mains, module)
+    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)
 
 
 def module_main(name: str) -> tuple[types.CodeType, dict[str, object]]:

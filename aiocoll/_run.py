@@ -38,12 +38,13 @@ import torch
 
 from . import _harness, _mpspawn, _rankmain, _runlogs, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
+from ._paths import PACKAGE_DIR
 
 __all__ = ["main", "parser", "worker_env"]
 
 # files that are not the user's: aiocoll's, the standard library's and installed packages' (torch's)
 _NOT_USERS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    PACKAGE_DIR,
     *sorted({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}),
     "<frozen ",
 )
@@ -52,7 +53,6 @@ _NOT_USERS = (
 # cannot be stopped: a rank busy in its own code is left behind, and ends with the process)
 _WIND_DOWN = 0.5
 
-_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # (aiocoll's frames: not the call's)
 
 # A run has no test's timeout: its deadline only keeps a rank stuck in C code from hanging for ever.
 _NO_DEADLINE = 7 * 24 * 3600.0
@@ -339,7 +339,7 @@ def _collection_paused() -> Iterator[None]:
 
 def _call_site(e: BaseException, script: str) -> str:
     """`` at file:line``: where the rank made the call it was refused (and the script's line, if elsewhere)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_OWN_DIR)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(PACKAGE_DIR)]
     if not frames:
         return ""
     call = frames[-1]

@@ -33,6 +33,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ._carry import carry
+
 __all__ = ["LogsSpec", "Std", "carried", "rank_of_output", "routed_output"]
 
 
@@ -103,19 +105,7 @@ rank_of_output = _Who()
 def carried() -> Callable[[], AbstractContextManager[None]]:
     """For threads the calling rank starts: what they print goes where the rank's output goes, as in its process."""
     rank = rank_of_output.rank
-    if rank is None:
-        return contextlib.nullcontext
-
-    @contextlib.contextmanager
-    def writes_as() -> Iterator[None]:
-        before = rank_of_output.rank
-        rank_of_output.rank = rank
-        try:
-            yield
-        finally:
-            rank_of_output.rank = before
-
-    return writes_as
+    return contextlib.nullcontext if rank is None else carry(rank_of_output, rank=rank)
 
 
 class _Sink:
