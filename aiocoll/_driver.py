@@ -123,8 +123,6 @@ class WorldRun:
                 st.phase = Phase.REMOTE
         if cfg.record or cfg.trace is not None:
             w.recorder = Recorder(cfg.size, None if cfg.trace is not None else cfg.record)
-            for st, ring in zip(w.ranks, w.recorder.ranks, strict=True):
-                st.record = ring  # the engine appends straight to it
             if cfg.trace is not None:
                 stack.callback(w.recorder.write_trace, cfg.trace)  # even when the run fails
         w.faults = plan

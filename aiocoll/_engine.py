@@ -158,7 +158,6 @@ class RankState:
         self.completed = 0  # works of this rank that have completed (or failed)
         self.injected: str | None = None  # what an injected fault did to it, if it hung
         self.activity: str | None = None  # for reports: what it does while not live (see idle())
-        self.record: deque[Stamp] | None = None  # its flight-recorder ring, when the world records
         # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
         self.issued: list[Work] = []
         # the rank's own thread (sync ranks; 0: none yet): a thread it starts takes no turns,
@@ -615,7 +614,8 @@ class World:
         self._deadlines = (
             None if timeout is None else Deadlines(loop, timeout, self._still_pending, self._expired, self.locked)
         )
-        self.recorder: Recorder | None = None  # the flight recorder, when on
+        # the flight recorder (or a trace), when on: the probe that the engine tells of each op
+        self.recorder: Recorder | None = None
         self.faults: FaultPlan | None = None  # faults to inject, when any
         self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
         # its ranks' asyncio tasks, found, counted and cancelled (see aiocoll._tasks)
@@ -676,12 +676,11 @@ class World:
         if not isinstance(call, _P2P):
             self._join(work)
             return work
-        # p2p: no sequence number; its own stamp, as both sides may finish at other times
-        ring = work._rank.record
-        if ring is not None:
-            stamp = work._stamp = Stamp(work._group.name, {work._rank.rank: 0}, None, call.record_info(), 1)
-            stamp.arrive(0, work._site)
-            ring.append(stamp)
+        probe = self.recorder
+        if probe is not None:  # p2p: no sequence number; a stamp of its own
+            rank = work._rank.rank
+            stamp = work._stamp = probe.p2p(work._group.name, rank, call.record_info())
+            probe.arrived(stamp, 0, rank, work._site)
         bridge = work._group.bridge
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
@@ -731,7 +730,7 @@ class World:
             if self._deadlines is not None:
                 self._deadlines.add(rdv)
             if self.recorder is not None:
-                rdv.stamp = Stamp(group.name, group.index, seq, sig, group.size)
+                rdv.stamp = self.recorder.collective(group.name, group.index, seq, sig, group.size)
         else:
             sig = call.signature()
             if sig != rdv.sig:
@@ -745,8 +744,7 @@ class World:
         stamp = rdv.stamp
         if stamp is not None:  # the flight recorder is on
             work._stamp = stamp
-            stamp.arrive(grank, work._site)
-            work._rank.record.append(stamp)  # type: ignore[union-attr]
+            self.recorder.arrived(stamp, grank, work._rank.rank, work._site)  # type: ignore[union-attr]
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work

@@ -241,11 +241,14 @@ class Issuer:
             self.groups_made += 1  # names the groups made here, in issue order (see ProcessGroupComm)
         fut: asyncio.Future[object] = loop.create_future()
         self.pending[fut] = call
+        rec, me = self._rec, self.global_ranks[self.rank]
         if isinstance(call, _P2P):
-            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, None, call.record_info(), site)
+            stamp = rec.p2p(self.name, me, call.record_info())
         else:
-            stamp = self._stamps[fut] = self._rec.start(self.name, self._index, self._seq, call.signature(), site)
+            stamp = rec.collective(self.name, self._index, self._seq, call.signature(), 1)
             self._seq += 1
+        rec.arrived(stamp, 0, me, site)
+        self._stamps[fut] = stamp
         chk = self.checker
         if chk is not None and not isinstance(call, _P2P):
             gate = chk.gate(call, stamp, loop)

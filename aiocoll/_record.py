@@ -26,7 +26,16 @@ import torch
 
 from ._ops import P2PRecord
 
-__all__ = ["DEFAULT_RECORD", "ProcessRecorder", "Recorder", "Stamp", "format_signature", "summarize_trace"]
+__all__ = [
+    "DEFAULT_RECORD",
+    "Probe",
+    "ProcessRecorder",
+    "Recorder",
+    "Site",
+    "Stamp",
+    "format_signature",
+    "summarize_trace",
+]
 
 DEFAULT_RECORD = 64
 """Operations per rank the flight recorder keeps for failure reports."""
@@ -90,10 +99,38 @@ class Stamp:
 
 
 Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
+Site = tuple[str, int]  # (file, line)
 
 
-class Recorder:
+class Probe:
+    """What the engine and the process-group issuer tell a recorder, and nothing else.
+
+    They hold one (or None: a single ``is not None`` check per site) and call it when an
+    op starts: ``collective``/``p2p`` make the op's ``Stamp``, which then hears the op's
+    own events (``arrive``... ``ok``/``failed``); ``arrived`` adds a rank's arrival and
+    keeps the stamp where this recorder keeps it. Subclasses: the world's flight
+    recorder (a trace is the same, keeping everything) and the process recorder.
+    """
+
+    __slots__ = ()
+
+    def collective(self, group: str, index: dict[int, int], seq: int, sig: Hashable, size: int) -> Stamp:
+        """The stamp of collective #``seq`` of ``group`` (``size`` members), made as its first rank arrives."""
+        return Stamp(group, index, seq, sig, size)
+
+    def p2p(self, group: str, rank: int, rec: P2PRecord) -> Stamp:
+        """The stamp of one rank's send or recv: its own, as both sides may end at other times."""
+        return Stamp(group, {rank: 0}, None, rec, 1)
+
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
+        """Global ``rank`` (group-rank ``grank``) called ``stamp``'s op now, at ``site``."""
+        raise NotImplementedError
+
+
+class Recorder(Probe):
     """Per-rank rings of entries; ``capacity=None`` keeps everything (for a trace)."""
+
+    __slots__ = ("capacity", "ranks", "t0")
 
     def __init__(self, size: int, capacity: int | None) -> None:
         self.capacity = capacity
@@ -103,6 +140,10 @@ class Recorder:
     def __repr__(self) -> str:
         n = sum(len(r) for r in self.ranks)
         return f"<Recorder ranks={len(self.ranks)} capacity={self.capacity} entries={n}>"
+
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
+        stamp.arrive(grank, site)
+        self.ranks[rank].append(stamp)
 
     # -- reports --------------------------------------------------------------------------
 
@@ -196,7 +237,7 @@ class Recorder:
             json.dump(self.trace(), f)
 
 
-class ProcessRecorder:
+class ProcessRecorder(Probe):
     """This process's operations on real process groups (``from_process_group``), oldest first.
 
     One ring for every group, as torch's own recorder keeps: an op costs a ``Stamp``, a
@@ -216,17 +257,11 @@ class ProcessRecorder:
     def __repr__(self) -> str:
         return f"<ProcessRecorder groups={len(self.groups)} entries={len(self.ring)} recorded={self.count}>"
 
-    def start(
-        self, group: str, index: dict[int, int], seq: int | None, sig: Hashable, site: tuple[str, int] | None
-    ) -> Stamp:
-        """Record that this process issued an op now (``seq`` None for p2p); its issuer ends the stamp."""
-        stamp = Stamp(group, index, seq, sig, 1)
-        stamp.arrived[0] = time.perf_counter()
-        if site is not None:
-            stamp.files[0], stamp.lines[0] = site
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
+        """This process issued ``stamp``'s op now (one rank a process: one column); its issuer ends the stamp."""
+        stamp.arrive(grank, site)
         self.ring.append(stamp)
         self.count += 1
-        return stamp
 
 
 def _entry_dict(e: Entry, t0: float) -> dict[str, Any]:
