@@ -97,6 +97,10 @@ class Stamp:
             self.done = time.perf_counter()
             self.outcome = type(exc).__name__
 
+    def told(self, outcome: str | None) -> None:
+        """Its outcome as another process's record tells it (no time: its clock is not ours)."""
+        self.outcome = outcome
+
 
 Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
 Site = tuple[str, int]  # (file, line)
@@ -122,8 +126,8 @@ class Probe:
         """The stamp of one rank's send or recv: its own, as both sides may end at other times."""
         return Stamp(group, {rank: 0}, None, rec, 1)
 
-    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
-        """Global ``rank`` (group-rank ``grank``) called ``stamp``'s op now, at ``site``."""
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None, at: float | None = None) -> None:
+        """Global ``rank`` (group-rank ``grank``) called ``stamp``'s op now (or ``at``), at ``site``."""
         raise NotImplementedError
 
 
@@ -141,8 +145,8 @@ class Recorder(Probe):
         n = sum(len(r) for r in self.ranks)
         return f"<Recorder ranks={len(self.ranks)} capacity={self.capacity} entries={n}>"
 
-    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
-        stamp.arrive(grank, site)
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None, at: float | None = None) -> None:
+        stamp.arrive(grank, site, at)
         self.ranks[rank].append(stamp)
 
     # -- reports --------------------------------------------------------------------------
@@ -257,9 +261,9 @@ class ProcessRecorder(Probe):
     def __repr__(self) -> str:
         return f"<ProcessRecorder groups={len(self.groups)} entries={len(self.ring)} recorded={self.count}>"
 
-    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None) -> None:
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None, at: float | None = None) -> None:
         """This process issued ``stamp``'s op now (one rank a process: one column); its issuer ends the stamp."""
-        stamp.arrive(grank, site)
+        stamp.arrive(grank, site, at)
         self.ring.append(stamp)
         self.count += 1
 

@@ -352,16 +352,16 @@ class Checker:
             for seq, sig, site, outcome in hist:
                 st = stamps.get(seq)
                 if st is None:
-                    st = stamps[seq] = Stamp(self.iss.name, index, seq, sig, size)
-                    st.outcome = outcome
+                    st = stamps[seq] = rec.collective(self.iss.name, index, seq, sig, size)
+                    st.told(outcome)
                 elif sig != st.sig:
                     st.differs(r, sig)
-                st.arrive(r, site, at=float(seq))  # one clock for all processes: the order of calls
+                # one clock for all processes: the order of calls
+                rec.arrived(st, r, r, site, at=float(seq))
                 if seq == bad:
-                    st.outcome = "CollectiveMismatchError"
+                    st.told("CollectiveMismatchError")
                 elif outcome != "ok" and st.outcome == "ok":
-                    st.outcome = outcome
-                rec.ranks[r].append(st)
+                    st.told(outcome)
         return rec.report()
 
     # -- a rank gone --------------------------------------------------------------------------
