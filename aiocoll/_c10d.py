@@ -551,8 +551,7 @@ async def settle() -> None:
     if st is None:
         raise AiocollError("settle() must be awaited inside an aiocoll rank")
     while st.issued:
-        works, st.issued = st.issued, []
-        for w in works:
+        for w in st.take_issued():
             await w
 
 

@@ -29,7 +29,6 @@ from ._locals import RankLocals
 from ._outcome import Outcome, warn_unmatched
 from ._output import prefixed_output
 from ._record import Recorder
-from ._stats import Phase
 from ._turns import SameCpu, StallWatch, Turns
 
 if TYPE_CHECKING:
@@ -115,21 +114,18 @@ class WorldRun:
             # torch.distributed inside the ranks would shadow the process's real groups,
             # which the hybrid world itself talks through
             c10d = "off"
-        w = World(cfg.size, loop, cfg.timeout, hybrid)
+        recorder = None
+        if cfg.record or cfg.trace is not None:
+            recorder = Recorder(cfg.size, None if cfg.trace is not None else cfg.record)
+            if cfg.trace is not None:
+                stack.callback(recorder.write_trace, cfg.trace)  # even when the run fails
+        rng = None if cfg.schedule_seed is None else random.Random(cfg.schedule_seed)
+        w = World(cfg.size, loop, cfg.timeout, hybrid, recorder=recorder, faults=plan, rng=rng)
         self._outcome = Outcome(w)
         local = [st for st in w.ranks if hybrid is None or st.rank in hybrid.local]
-        for st in w.ranks:
-            if hybrid is not None and st.rank not in hybrid.local:
-                st.phase = Phase.REMOTE
-        if cfg.record or cfg.trace is not None:
-            w.recorder = Recorder(cfg.size, None if cfg.trace is not None else cfg.record)
-            if cfg.trace is not None:
-                stack.callback(w.recorder.write_trace, cfg.trace)  # even when the run fails
-        w.faults = plan
         order = list(local)
-        if cfg.schedule_seed is not None:
-            w.rng = random.Random(cfg.schedule_seed)
-            w.rng.shuffle(order)  # which rank starts first, too
+        if rng is not None:
+            rng.shuffle(order)  # which rank starts first, too
         # the groups, stores and meshes the ranks made die at the end, in this thread
         # (_belongings), but for those the ranks' results keep alive
         stack.callback(_c10d.release, w, self.runners)
@@ -227,7 +223,7 @@ class WorldRun:
         except BaseException as e:
             self._failed(st, e)
             raise
-        st.phase = Phase.RETURNED
+        st.returned()
         return result
 
     def _start_threads(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[object]]:
@@ -250,7 +246,7 @@ class WorldRun:
 
         def settle(ok: bool, value: Any) -> None:
             if ok:
-                st.phase = Phase.RETURNED
+                st.returned()
             else:
                 self._failed(st, value)
 
@@ -264,7 +260,7 @@ class WorldRun:
 
         def main() -> None:
             rank_var().set(st)
-            st.thread = threading.get_ident()
+            st.runs_here()
             ok, value = False, cast(Any, None)
             # as torch's threaded process group does: autograd must not hand work to its
             # own device threads from a rank thread (a setting of this thread: not undone, it ends)

@@ -138,7 +138,6 @@ class RankState:
         "parked",
         "phase",
         "rank",
-        "record",
         "tasks",
         "thread",
         "waiting",
@@ -167,6 +166,24 @@ class RankState:
     def on_own_thread(self) -> bool:
         """Whether the calling thread is this rank's own (not one the rank started)."""
         return self.thread == _thread.get_ident()
+
+    def runs_here(self) -> None:
+        """The calling thread is this sync rank's own from now on."""
+        self.thread = _thread.get_ident()
+
+    def returned(self) -> None:
+        """Its function returned."""
+        self.phase = Phase.RETURNED
+
+    def failed(self, e: BaseException) -> None:
+        """It ended with ``e`` (whether that was the root cause is the outcome's to say)."""
+        self.phase = Phase.FAILED
+        self.error = e
+
+    def take_issued(self) -> list[Work]:
+        """The works torch.distributed issued for it since the last call (see ``aiocoll.settle``)."""
+        works, self.issued = self.issued, []
+        return works
 
     @property
     def blocked(self) -> bool:
@@ -595,7 +612,15 @@ class World:
     """The shared state of all ranks of one ``spawn``."""
 
     def __init__(
-        self, size: int, loop: asyncio.AbstractEventLoop, timeout: float | None, hybrid: HybridWorld | None = None
+        self,
+        size: int,
+        loop: asyncio.AbstractEventLoop,
+        timeout: float | None,
+        hybrid: HybridWorld | None = None,
+        *,
+        recorder: Recorder | None = None,
+        faults: FaultPlan | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.size = size
         self.loop = loop
@@ -606,6 +631,10 @@ class World:
         self.liveness: Liveness = Liveness(self)
         self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
         self.hybrid: HybridWorld | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
+        if hybrid is not None:
+            for st in self.ranks:
+                if st.rank not in hybrid.local:
+                    st.phase = Phase.REMOTE
         self.group = Group(self, "world", range(size))
         self.aborted: WorldAbortedError | None = None
         # sync ranks taking turns run the engine in their threads, under this lock
@@ -615,9 +644,9 @@ class World:
             None if timeout is None else Deadlines(loop, timeout, self._still_pending, self._expired, self.locked)
         )
         # the flight recorder (or a trace), when on: the probe that the engine tells of each op
-        self.recorder: Recorder | None = None
-        self.faults: FaultPlan | None = None  # faults to inject, when any
-        self.rng: random.Random | None = None  # a seeded schedule's choices, when one is set
+        self.recorder = recorder
+        self.faults = faults  # faults to inject, when any
+        self.rng = rng  # a seeded schedule's choices, when one is set
         # its ranks' asyncio tasks, found, counted and cancelled (see aiocoll._tasks)
         self.tasks = WorldTasks(self)
         # rendezvous whose calls disagree: reported once every rank has shown its call, or
@@ -655,6 +684,14 @@ class World:
         # a closed loop means the world is gone and nothing waits any more
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.locked, fn, *args)
+
+    def detach_hybrid(self) -> None:
+        """The hybrid world closed: its groups' bridges close, and no op goes to other processes any more."""
+        for g in self._all_groups():
+            if g.bridge is not None:
+                g.bridge.close()
+            g.bridge = None
+        self.hybrid = None
 
     def take_turns(self, turns: Turns) -> None:
         """Sync ranks take turns (see ``_turns``): they run the engine in their own threads."""

@@ -250,11 +250,7 @@ class HybridWorld:
         frees the groups by refcount, when ``destroy_process_group`` expects it.
         """
         if self.world is not None:
-            for g in self.world._all_groups():
-                if isinstance(g.bridge, PGBridge):
-                    g.bridge.close()
-                g.bridge = None
-            self.world.hybrid = None
+            self.world.detach_hybrid()
         self.bridge = self.world = self.farewell = None
         self._made.clear()
         self._slow.clear()

@@ -11,7 +11,6 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ._errors import WorldAbortedError
-from ._stats import Phase
 
 if TYPE_CHECKING:
     from ._engine import EngineWork, RankState, World
@@ -37,8 +36,7 @@ class Outcome:
 
     def failed(self, st: RankState, e: BaseException) -> None:
         """On the loop: rank ``st`` ended with ``e``; a root cause aborts the world."""
-        st.phase = Phase.FAILED
-        st.error = e
+        st.failed(e)
         self.failures.append((st.rank, e))
         if not self.is_echo(e):
             self.world.abort(st.rank, e)

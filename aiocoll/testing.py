@@ -88,7 +88,6 @@ from ._config import DEFAULT_TIMEOUT, loop_factory
 from ._engine import EngineWork, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._outcome import Outcome, echoes_abort, warn_unmatched
-from ._stats import Phase
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
@@ -238,7 +237,7 @@ class _HarnessRun:
             return
         self._ended.add(st.rank)
         if exc is None:
-            st.phase = Phase.RETURNED
+            st.returned()
         else:
             self.outcome.failed(st, exc)  # a root cause aborts the world
         st.leave()
@@ -303,7 +302,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup
         raise err
     st = run.world.ranks[rank]
     rank_var().set(st)  # this thread's context: every later call here acts for this rank
-    st.thread = threading.get_ident()
+    st.runs_here()
     # as torch's threaded process group does: backward must run on this thread
     torch.autograd.set_multithreading_enabled(False)
     return _DefaultGroup(run, st, str(opts.group_id))
