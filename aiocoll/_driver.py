@@ -13,7 +13,7 @@ import random
 import threading
 import warnings
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -244,24 +244,26 @@ class WorldRun:
         turns, rank_locals, fn = w.turns, self._locals, self.fn
         session = self._sessions[st.rank]
 
-        def settle(ok: bool, value: Any) -> None:
+        def settle(ok: bool, value: object) -> None:
             if ok:
                 st.returned()
             else:
+                assert isinstance(value, BaseException)
                 self._failed(st, value)
 
-        def done(ok: bool, value: Any) -> None:
+        def done(ok: bool, value: object) -> None:
             if turns is None:
                 settle(ok, value)
             if ok:
                 fut.set_result(value)
             else:
+                assert isinstance(value, BaseException)
                 fut.set_exception(value)
 
         def main() -> None:
             rank_var().set(st)
             st.runs_here()
-            ok, value = False, cast(Any, None)
+            ok, value = False, cast(object, None)
             # as torch's threaded process group does: autograd must not hand work to its
             # own device threads from a rank thread (a setting of this thread: not undone, it ends)
             torch.autograd.set_multithreading_enabled(False)
@@ -369,9 +371,9 @@ class _Endings:
         self._world = w
         self._lock = threading.Lock()
         self._left = count
-        self._outcomes: list[tuple[Callable[[bool, Any], None], bool, Any]] = []
+        self._outcomes: list[tuple[Callable[[bool, object], None], bool, object]] = []
 
-    def ended(self, done: Callable[[bool, Any], None], ok: bool, value: Any) -> None:
+    def ended(self, done: Callable[[bool, object], None], ok: bool, value: object) -> None:
         """In a rank thread, as its last act: ``done(ok, value)`` is to run on the loop."""
         with self._lock:
             self._outcomes.append((done, ok, value))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import _torch
 from ._errors import InvalidArgumentError
+from ._reduce import Reduction, chains, checked_reduction, copy_to_all, disjoint, factors, reduce_tensors
 
 __all__ = [
     "OPS",
@@ -43,163 +44,7 @@ __all__ = [
     "reduce_tensors",
 ]
 
-_R = dist.ReduceOp
-RedOpType = dist.ReduceOp.RedOpType
-
-_NAMES = {
-    _R.SUM: "SUM",
-    _R.AVG: "AVG",
-    _R.PRODUCT: "PRODUCT",
-    _R.MIN: "MIN",
-    _R.MAX: "MAX",
-    _R.BAND: "BAND",
-    _R.BOR: "BOR",
-    _R.BXOR: "BXOR",
-    _R.PREMUL_SUM: "PREMUL_SUM",
-}
-_BY_NAME = {name: kind for kind, name in _NAMES.items()}
-_BITWISE = (_R.BAND, _R.BOR, _R.BXOR)
-# The dtypes torch can reduce on CPU; it has no sum/prod/min/max kernels for uint16/32/64,
-# complex32 or the float8s, so reducing those would fail inside the op, after every rank joined.
-_REDUCIBLE = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Reduction:
-    """A normalised reduce op: its kind and, for PREMUL_SUM, this rank's factor."""
-
-    kind: Any  # a torch.distributed.ReduceOp.RedOpType member
-    factor: float | torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, op: object) -> Reduction:
-        """Accept ``dist.ReduceOp.SUM``, ``dist.ReduceOp(...)``, a PREMUL_SUM op or ``"sum"``."""
-        plain = _PLAIN.get(id(op))  # the common case, without torch's slow enum comparisons
-        if plain is not None:
-            return plain
-        if type(op) is dist.ReduceOp:  # what torch.distributed hands a backend on every call
-            return _unwrap(op)
-        if isinstance(op, Reduction):
-            return op
-        if isinstance(op, str):
-            kind = _BY_NAME.get(op.upper())
-            if kind is None or kind == _R.PREMUL_SUM:
-                raise InvalidArgumentError(
-                    f"argument 'op': unknown reduce op {op!r}; expected one of "
-                    f"{', '.join(n for n in _BY_NAME if n != 'PREMUL_SUM')} or a "
-                    "torch.distributed.ReduceOp"
-                )
-            return cls(kind)
-        if isinstance(op, RedOpType):
-            if op == _R.PREMUL_SUM:
-                raise InvalidArgumentError(
-                    "argument 'op': PREMUL_SUM needs a factor; build it with "
-                    "torch.distributed._make_nccl_premul_sum(factor)"
-                )
-            return _reduction(op.value)
-        if isinstance(op, dist.ReduceOp):  # (a subclass; checked after RedOpType, which passes it too)
-            return _unwrap(op)
-        raise InvalidArgumentError(f"argument 'op': expected a torch.distributed.ReduceOp, got {type(op).__name__}")
-
-    @property
-    def name(self) -> str:
-        return _NAMES[self.kind]
-
-    def check_dtype(self, dtype: torch.dtype, arg: str) -> None:
-        """Raise InvalidArgumentError if this reduction is undefined for ``dtype``."""
-        key = (id(self.kind), dtype)
-        if key in _DTYPE_OK:
-            return
-        self._check_dtype(dtype, arg)
-        _DTYPE_OK.add(key)
-
-    def _check_dtype(self, dtype: torch.dtype, arg: str) -> None:
-        kind = self.kind
-        if dtype not in _REDUCIBLE:
-            raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not supported for {dtype} tensors")
-        if kind in _BITWISE:
-            if dtype.is_floating_point or dtype.is_complex:
-                raise InvalidArgumentError(
-                    f"argument {arg!r}: {self.name} needs an integer or bool tensor, got {dtype}"
-                )
-        elif kind in (_R.AVG, _R.PREMUL_SUM):
-            if not (dtype.is_floating_point or dtype.is_complex):
-                raise InvalidArgumentError(
-                    f"argument {arg!r}: {self.name} needs a floating point or complex tensor, got {dtype}"
-                )
-        elif kind in (_R.MIN, _R.MAX) and dtype.is_complex:
-            raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})")
-
-    def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
-        # unpickled (a hybrid world's exchange), a Reduction holds the canonical kind too
-        return (_reduction, (self.kind.value, self.factor))
-
-    def __repr__(self) -> str:
-        if self.factor is None:
-            return f"ReduceOp.{self.name}"
-        return f"ReduceOp.PREMUL_SUM({_scalar(self.factor)})"
-
-
-# The RedOpType members of dist.ReduceOp are looked up by identity, as comparing them with
-# == costs about a microsecond each. torch hands out other objects of equal value (e.g.
-# ReduceOp(SUM).op): every Reduction holds the canonical member, so identity checks in
-# the ops hold whatever spelling the caller used.
-_CANON = {k.value: k for k in _NAMES}
-_PREMUL_VALUE = _R.PREMUL_SUM.value
-_PLAIN = {id(k): Reduction(k) for k in _NAMES if k is not _R.PREMUL_SUM}
-
-
-def _reduction(value: int, factor: float | torch.Tensor | None = None) -> Reduction:
-    kind = _CANON[value]
-    if factor is None:
-        return _PLAIN[id(kind)]
-    return Reduction(kind, factor)
-
-
-def _unwrap(op: dist.ReduceOp) -> Reduction:
-    # ReduceOp wraps a RedOpType (and PREMUL_SUM's factor); the stubs omit both. Compared
-    # as plain ints: comparing the enum members costs about a microsecond
-    value = getattr(op, "op").value  # noqa: B009
-    return _reduction(value, _torch.premul_factor(op) if value == _PREMUL_VALUE else None)
-
-
-_DTYPE_OK: set[tuple[int, torch.dtype]] = set()  # (kind, dtype) pairs that passed check_dtype
-# (id of a plain ReduceOp member, dtype) -> its checked Reduction: one dict lookup for a call's
-# reduce op. Keyed by id only for the members, which live as long as torch (no id reuse).
-_CHECKED: dict[tuple[int, torch.dtype], Reduction] = {}
-
-
-def checked_reduction(op: object, dtype: torch.dtype, arg: str = "op") -> Reduction:
-    """``Reduction.of(op)``, checked for ``dtype``: one dict lookup for ``ReduceOp.SUM`` and the like.
-
-    >>> checked_reduction(dist.ReduceOp.SUM, torch.float32)
-    ReduceOp.SUM
-    """
-    key = (id(op), dtype)
-    red = _CHECKED.get(key)
-    if red is not None:
-        return red
-    red = Reduction.of(op)
-    red.check_dtype(dtype, arg)
-    if id(op) in _PLAIN:
-        _CHECKED[key] = red
-    return red
-
+_SUM = dist.ReduceOp.SUM
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -222,92 +67,6 @@ def _no_grad(fn: Callable[_P, _T]) -> Callable[_P, _T]:
             _torch.set_grad_enabled(prev)
 
     return run
-
-
-def _scalar(x: float | torch.Tensor) -> float | complex | bool | int:
-    return x.item() if isinstance(x, torch.Tensor) else x
-
-
-# elements from which a SUM adds rank by rank instead of stacking (below, one fused
-# stack-and-sum beats W-1 separate adds)
-_CHAIN_MIN = 1 << 15
-_HALF = (torch.float16, torch.bfloat16)
-# dtypes whose sum keeps the dtype without being told
-_KEEPS_DTYPE = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int64}
-)
-
-
-def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[Any] = ()) -> torch.Tensor:
-    """Reduce same-shaped tensors (one per rank, in rank order) into a new tensor.
-
-    The result has the inputs' dtype; integers wrap like they do in gloo and NCCL.
-    For bool, SUM/MAX/BOR are logical or and PRODUCT/MIN/BAND logical and.
-    ``factors`` are the per-rank PREMUL_SUM factors. The ops call it under no_grad.
-    """
-    kind = red.kind
-    dtype = tensors[0].dtype
-    if kind is _R.SUM and dtype is not torch.bool:  # the common case first
-        if _chains(tensors):
-            # Large tensors: W-1 in-place adds, in rank order, move 3x fewer bytes than
-            # stacking (and take 2-5x less time). Half types stay on stack().sum(), which
-            # accumulates in float32 and rounds once.
-            acc = torch.add(tensors[0], tensors[1])
-            for t in tensors[2:]:
-                acc.add_(t)
-            return acc
-        stacked = torch.stack(list(tensors))
-        # dtype=: integers would widen to int64 (it costs 5% of a small op, so only for them)
-        return stacked.sum(0) if dtype in _KEEPS_DTYPE else stacked.sum(0, dtype=dtype)
-    if kind in _BITWISE:
-        fn = {
-            _R.BAND: torch.bitwise_and,
-            _R.BOR: torch.bitwise_or,
-            _R.BXOR: torch.bitwise_xor,
-        }[kind]
-        return functools.reduce(fn, tensors[1:], tensors[0].clone())
-    stacked = torch.stack(list(tensors))
-    if dtype == torch.bool:
-        if kind in (_R.SUM, _R.MAX):
-            return stacked.any(0)
-        if kind in (_R.PRODUCT, _R.MIN):
-            return stacked.all(0)
-    if kind == _R.SUM:
-        return stacked.sum(0, dtype=dtype)
-    if kind == _R.AVG:
-        return stacked.mean(0, dtype=dtype)
-    if kind == _R.PRODUCT:
-        return stacked.prod(0, dtype=dtype)
-    if kind == _R.MIN:
-        return stacked.amin(0)
-    if kind == _R.MAX:
-        return stacked.amax(0)
-    if kind == _R.PREMUL_SUM:
-        scale = torch.tensor([_scalar(f) for f in factors], dtype=dtype, device=stacked.device)
-        return (stacked * scale.view(-1, *([1] * (stacked.dim() - 1)))).sum(0, dtype=dtype)
-    raise AssertionError(f"unhandled reduce op {red!r}")  # pragma: no cover
-
-
-def _factors(calls: Sequence[Any]) -> list[Any]:
-    """Each rank's PREMUL_SUM factor, in rank order (empty for every other reduce op)."""
-    return [c.op.factor for c in calls] if calls[0].op.kind is _R.PREMUL_SUM else []
-
-
-def _chains(ts: Sequence[torch.Tensor]) -> bool:
-    """Whether a SUM of ``ts`` adds rank by rank (large, not half precision) rather than stacking."""
-    t = ts[0]
-    return t.numel() >= _CHAIN_MIN and len(ts) > 1 and t.dtype not in _HALF and t.dtype is not torch.bool
-
-
-def _disjoint(ts: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor has storage of its own (so writing one cannot change another)."""
-    return len({t.untyped_storage().data_ptr() for t in ts}) == len(ts)
-
-
-def copy_to_all(outs: list[torch.Tensor], src: torch.Tensor) -> None:
-    """``out.copy_(src)`` for every out, in one fused torch call (W small copies cost W calls)."""
-    if outs:
-        _torch.foreach_copy_(outs, [src] * len(outs))
 
 
 def _shares_storage(ts: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
@@ -336,6 +95,7 @@ def _fmt_list(ts: Sequence[torch.Tensor] | None) -> str:
 
 
 Shape = tuple[int, ...]
+Sig = tuple[Any, ...]  # a collective's signature as a tuple: its layout is its op class's to read
 
 
 class OpRecord(NamedTuple):
@@ -408,7 +168,7 @@ class _Base:
         return None
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         """How records show a call of signature ``sig`` (one this class made) in a group of ``size``.
 
         Read back here, beside ``signature()``, so that the tuple's layout is known to
@@ -427,7 +187,7 @@ class AllReduce(_Base):
         return (self.name, self.op.kind, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -443,7 +203,7 @@ class AllReduce(_Base):
     def run(calls: Sequence[AllReduce]) -> list[None]:
         red = calls[0].op
         ts = [c.tensor for c in calls]
-        if red.kind is _R.SUM and _chains(ts) and _disjoint(ts):
+        if red.kind is _SUM and chains(ts) and disjoint(ts):
             # Large and in separate memory: sum into rank 0's tensor in rank order, then
             # copy it to the others. No scratch tensor, and one copy fewer.
             acc = ts[0]
@@ -451,7 +211,7 @@ class AllReduce(_Base):
                 acc.add_(t)
             copy_to_all(ts[1:], acc)
             return [None] * len(calls)
-        res = reduce_tensors(ts, red, _factors(calls))
+        res = reduce_tensors(ts, red, factors(calls))
         copy_to_all(ts, res)
         return [None] * len(calls)
 
@@ -467,7 +227,7 @@ class Reduce(_Base):
         return (self.name, self.dst, self.op.kind, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -482,7 +242,7 @@ class Reduce(_Base):
     @_no_grad
     def run(calls: Sequence[Reduce]) -> list[None]:
         dst = calls[0].dst
-        res = reduce_tensors([c.tensor for c in calls], calls[0].op, _factors(calls))
+        res = reduce_tensors([c.tensor for c in calls], calls[0].op, factors(calls))
         calls[dst].tensor.copy_(res)
         return [None] * len(calls)
 
@@ -497,7 +257,7 @@ class Broadcast(_Base):
         return (self.name, self.src, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -528,7 +288,7 @@ class AllGather(_Base):
         return (self.name, self.input.dtype, len(self.outputs))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, dtype, _ = sig
         return OpRecord(name, None, None, dtype)
 
@@ -570,7 +330,7 @@ class AllGatherIntoTensor(_Base):
         return (self.name, self.input.dtype, _shape(self.input), _shape(self.output))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, dtype, inp, out = sig
         return OpRecord(name, inp, out, dtype)
 
@@ -616,7 +376,7 @@ class Gather(_Base):
         return (self.name, self.dst, self.input.dtype, _shape(self.input))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -649,7 +409,7 @@ class Scatter(_Base):
         return (self.name, self.src, self.output.dtype, _shape(self.output))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -683,7 +443,7 @@ class ReduceScatter(_Base):
         return (self.name, self.op.kind, self.output.dtype, tuple(_shape(x) for x in self.inputs))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, shapes = sig
         if not shapes or any(sh != shapes[0] for sh in shapes):
             return OpRecord(name, None, None, dtype)  # outputs of several shapes: each rank's own
@@ -700,8 +460,8 @@ class ReduceScatter(_Base):
     @_no_grad
     def run(calls: Sequence[ReduceScatter]) -> list[None]:
         red = calls[0].op
-        factors = _factors(calls)
-        results = [reduce_tensors([c.inputs[r] for c in calls], red, factors) for r in range(len(calls))]
+        fs = factors(calls)
+        results = [reduce_tensors([c.inputs[r] for c in calls], red, fs) for r in range(len(calls))]
         for c, res in zip(calls, results, strict=True):
             c.output.copy_(res)
         return [None] * len(calls)
@@ -718,7 +478,7 @@ class ReduceScatterTensor(_Base):
         return (self.name, self.op.kind, self.output.dtype, _shape(self.output), _shape(self.input))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, _, dtype, out, inp = sig
         return OpRecord(name, inp, out, dtype)
 
@@ -734,7 +494,7 @@ class ReduceScatterTensor(_Base):
     def run(calls: Sequence[ReduceScatterTensor]) -> list[None]:
         w = len(calls)
         parts = [c.input.reshape(w, -1) for c in calls]
-        res = reduce_tensors(parts, calls[0].op, _factors(calls))
+        res = reduce_tensors(parts, calls[0].op, factors(calls))
         for r, c in enumerate(calls):
             c.output.copy_(res[r].view(c.output.shape))
         return [None] * w
@@ -750,7 +510,7 @@ class AllToAll(_Base):
         return (self.name, self.inputs[0].dtype if self.inputs else None, len(self.outputs))
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, dtype, _ = sig
         return OpRecord(name, None, None, dtype)
 
@@ -795,7 +555,7 @@ class AllToAllSingle(_Base):
         return (self.name, self.input.dtype, _shape(self.input)[1:], _shape(self.output)[1:])
 
     @staticmethod
-    def record(sig: tuple[Any, ...], size: int) -> OpRecord:
+    def record(sig: Sig, size: int) -> OpRecord:
         name, dtype, _, _ = sig
         return OpRecord(name, None, None, dtype)
 
