@@ -34,7 +34,7 @@ from ._turns import SameCpu, StallWatch, Turns
 if TYPE_CHECKING:
     from ._hybrid import HybridWorld
 
-__all__ = ["RankThread", "WorldRun", "is_async"]
+__all__ = ["HostedRun", "RankThread", "WorldRun", "is_async"]
 
 T = TypeVar("T")
 
@@ -162,14 +162,7 @@ class WorldRun:
         # asyncio.eager_task_factory; a rank thread taking turns runs at once too).
         for st in local:
             st.enter()
-        if self.is_async:
-            self.runners.extend(self._start_tasks(w, local, order))
-        else:
-            if w.turns is not None:
-                watch = StallWatch(w.turns, w.loop)
-                watch.start()
-                stack.callback(watch.stop)
-            self.runners.extend(self._start_threads(w, local, order))
+        self.runners.extend(self._start(stack, w, local, order))
         for st, r in zip(local, self.runners, strict=True):
             st.tasks.task = r if isinstance(r, asyncio.Task) else None
             if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
@@ -205,6 +198,18 @@ class WorldRun:
                 await asyncio.wait(pending)
             pending = [r for r in pending if not r.done()] + w.tasks.cancel("spawn was cancelled")
         self._retrieve()
+
+    def _start(
+        self, stack: contextlib.ExitStack, w: World, local: list[RankState], order: list[RankState]
+    ) -> list[asyncio.Future[object]]:
+        """Start the local ranks (every one live already); a future per rank, done when it ends."""
+        if self.is_async:
+            return self._start_tasks(w, local, order)
+        if w.turns is not None:
+            watch = StallWatch(w.turns, w.loop)
+            watch.start()
+            stack.callback(watch.stop)
+        return self._start_threads(w, local, order)
 
     def _start_tasks(self, w: World, local: list[RankState], order: list[RankState]) -> list[asyncio.Future[object]]:
         fn = cast(Callable[[Comm], Coroutine[object, object, object]], self.fn)
@@ -355,6 +360,103 @@ class WorldRun:
             )
         warn_unmatched(w.pending_works(), "the world", stacklevel=3)
         return [r.result() for r in self.runners]
+
+
+class HostedRun(WorldRun):
+    """A world whose sync ranks run in threads someone else starts (torch's threaded harness).
+
+    ``run()`` (on the world's loop) builds the world, makes every rank live and waits;
+    from any thread, ``world()`` waits until it is built, a rank's thread joins by binding
+    itself to ``world().ranks[r]``, and ``ended(r, exc)`` says that rank is done. Failures
+    are the host's to report (``outcome``); ``run()`` returns the ranks' results (None
+    each) and leaves what is still unmatched to ``world().pending_works()``.
+
+    >>> import asyncio
+    >>> run = HostedRun(WorldConfig(2, c10d="off", sync_ranks="parallel"))
+    >>> async def host():
+    ...     main = asyncio.ensure_future(run.run())
+    ...     await asyncio.to_thread(run.world)  # built: the ranks' threads may join now
+    ...     run.ended(0, None)
+    ...     run.ended(1, ValueError("rank 1 failed"))
+    ...     return await main
+    >>> asyncio.run(host())
+    [None, None]
+    >>> run.outcome.failures
+    [(1, ValueError('rank 1 failed'))]
+    """
+
+    def __init__(self, config: WorldConfig) -> None:
+        if config.sync_ranks != "parallel" or config.c10d != "off":
+            raise InvalidArgumentError("a hosted world runs its ranks in parallel and leaves torch.distributed alone")
+        super().__init__(_started_elsewhere, config)
+        self._ready = threading.Event()
+        self._world: World | None = None
+        self._ends: list[asyncio.Future[object]] = []
+
+    @property
+    def outcome(self) -> Outcome:
+        """The ranks' failures so far, and the report of the first (once the world is built)."""
+        assert self._outcome is not None, "the world is not built yet"
+        return self._outcome
+
+    def world(self, timeout: float | None = None) -> World:
+        """The world, from any thread, once built with every rank live; raises if building it failed."""
+        if not self._ready.wait(timeout) or self._world is None:
+            raise RuntimeError("aiocoll: the hosted world failed to start")
+        return self._world
+
+    def ended(self, rank: int, exc: BaseException | None) -> None:
+        """From any thread: ``rank`` is done (``exc`` None) or failed with ``exc``; later calls for it are ignored."""
+        w = self.world()
+        w.call_soon_threadsafe(self._end, w.ranks[rank], exc)
+
+    def _end(self, st: RankState, exc: BaseException | None) -> None:
+        fut = self._ends[st.rank]
+        if fut.done():  # a failed rank then destroys its group too
+            return
+        if exc is None:
+            st.returned()
+            fut.set_result(None)
+        else:
+            self._failed(st, exc)  # a root cause aborts the world
+            fut.set_exception(exc)
+
+    def give_up(self, exc: BaseException) -> None:
+        """From any thread, once the host is done with its threads: ranks that have not ended
+        are given up on (the world is aborted with ``exc``, failing their waits), and ``run()`` returns."""
+        w = self.world()
+
+        def give_up() -> None:
+            left = [fut for fut in self._ends if not fut.done()]
+            if left:
+                w.abort(None, exc)
+            for fut in left:
+                fut.set_exception(exc)
+
+        w.call_soon_threadsafe(give_up)
+
+    async def run(self) -> list[object]:
+        try:
+            return await super().run()
+        finally:
+            self._ready.set()  # (a world that failed to build: world() raises)
+
+    def _start(
+        self, stack: contextlib.ExitStack, w: World, local: list[RankState], order: list[RankState]
+    ) -> list[asyncio.Future[object]]:
+        self._ends = [w.loop.create_future() for _ in local]
+        self._world = w
+        self._ready.set()
+        return list(self._ends)
+
+    def _conclude(self, w: World) -> list[object]:
+        self._retrieve()  # the host reports failures
+        return [None] * len(self.runners)
+
+
+def _started_elsewhere(comm: Comm) -> None:
+    """A hosted world's ranks run code of their own: never called."""
+    raise AssertionError("a hosted world's ranks are started by its host")
 
 
 class _Endings:

@@ -84,10 +84,13 @@ import torch
 
 from . import _c10d, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
-from ._config import DEFAULT_TIMEOUT, loop_factory
-from ._engine import EngineWork, RankState, World, current_rank_state, rank_var
+from ._config import DEFAULT_TIMEOUT, WorldConfig
+from ._driver import HostedRun
+from ._engine import EngineWork, RankState, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
-from ._outcome import Outcome, echoes_abort, warn_unmatched
+from ._outcome import echoes_abort, warn_unmatched
+from ._stats import Phase
+from ._worldthread import WorldThread
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
@@ -190,7 +193,7 @@ def _unpatch() -> None:
 
 
 class _HarnessRun:
-    """The world of one harness run, on a loop in a background thread.
+    """The world of one harness run (one test), run by a ``HostedRun`` on a loop of its own.
 
     The harness starts the rank threads itself; each becomes its rank of this world in
     its ``init_process_group`` and leaves it when it destroys that group or fails.
@@ -200,63 +203,26 @@ class _HarnessRun:
         # each rank's init_process_group wraps sys.excepthook and nothing unwraps it: put
         # back when the run ends, as a process's hook goes with it
         self.excepthook = sys.excepthook
-        self._ended: set[int] = set()
-        made: list[World] = []
-        ready = threading.Event()
-
-        def main() -> None:
-            loop = loop_factory("auto")()
-            try:
-                try:
-                    world = World(size, loop, timeout)  # on the loop's thread, as World requires
-                    # Every rank counts as live from now on, as in spawn: a rank whose thread
-                    # has not initialised yet is not absent.
-                    for st in world.ranks:
-                        st.enter()
-                    made.append(world)
-                finally:
-                    ready.set()
-                loop.run_forever()
-            finally:
-                loop.close()
-
-        self.thread = threading.Thread(target=main, name="aiocoll harness loop", daemon=True)
-        self.thread.start()
-        ready.wait()
-        if not made:
-            raise RuntimeError("aiocoll: the harness's event loop failed to start")
-        self.world = made[0]
-        self.outcome = Outcome(self.world)
+        config = WorldConfig(size, timeout=timeout, c10d="off", record=0, sync_ranks="parallel")
+        self._run = HostedRun(config)
+        self._thread = WorldThread(self._run.run, "auto")
+        self._thread.start()
+        self.world = self._run.world()
+        self.outcome = self._run.outcome
 
     def rank_ended(self, st: RankState, exc: BaseException | None) -> None:
         """From any thread: rank ``st`` is done, or failed with ``exc``."""
-        self.world.call_soon_threadsafe(self._end, st, exc)
-
-    def _end(self, st: RankState, exc: BaseException | None) -> None:
-        if st.rank in self._ended:  # a failed rank then destroys its group too
-            return
-        self._ended.add(st.rank)
-        if exc is None:
-            st.returned()
-        else:
-            self.outcome.failed(st, exc)  # a root cause aborts the world
-        st.leave()
+        self._run.ended(st.rank, exc)
 
     def close(self) -> list[EngineWork]:
-        """After the harness joined its threads: release any straggler, stop the loop.
+        """After the harness joined its threads: release any straggler, end the world.
 
         Returns the operations still unmatched though every rank ended normally.
         """
-
-        def finish() -> None:
-            left = [st.rank for st in self.world.ranks if st.rank not in self._ended]
-            if left:
-                # threads the harness gave up on: fail their waits rather than leave them hanging
-                self.world.abort(None, TimeoutError(f"ranks {left} were still running when the test ended"))
-            self.world.loop.stop()
-
-        self.world.call_soon_threadsafe(finish)
-        self.thread.join()
+        left = [st.rank for st in self.world.ranks if st.phase is Phase.RUNNING]
+        # threads the harness gave up on: fail their waits rather than leave them hanging
+        self._run.give_up(TimeoutError(f"ranks {left} were still running when the test ended"))
+        self._thread.wait()
         return [] if self.world.aborted is not None else self.world.pending_works()
 
 
@@ -333,9 +299,8 @@ def _reset(cls: type) -> None:
         run, _current = _current, None
     if run is None:
         return
-    leftovers = run.close()
+    leftovers = run.close()  # (what the ranks made is released as its world ends, not in a later test)
     sys.excepthook = run.excepthook
-    _c10d.release(run.world)  # what the ranks made dies now, not in a later test's thread
     harness = sys.modules.get(_HARNESS_MODULE)
     if harness is not None:
         _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
