@@ -391,6 +391,7 @@ class HostedRun(WorldRun):
         super().__init__(_started_elsewhere, config)
         self._ready = threading.Event()
         self._world: World | None = None
+        self._not_built: BaseException | None = None  # why the world could not be built
         self._ends: list[asyncio.Future[object]] = []
 
     @property
@@ -402,7 +403,7 @@ class HostedRun(WorldRun):
     def world(self, timeout: float | None = None) -> World:
         """The world, from any thread, once built with every rank live; raises if building it failed."""
         if not self._ready.wait(timeout) or self._world is None:
-            raise RuntimeError("aiocoll: the hosted world failed to start")
+            raise RuntimeError("aiocoll: the hosted world failed to start") from self._not_built
         return self._world
 
     def ended(self, rank: int, exc: BaseException | None) -> None:
@@ -438,6 +439,10 @@ class HostedRun(WorldRun):
     async def run(self) -> list[object]:
         try:
             return await super().run()
+        except BaseException as e:
+            if self._world is None:
+                self._not_built = e
+            raise
         finally:
             self._ready.set()  # (a world that failed to build: world() raises)
 

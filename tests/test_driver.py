@@ -127,3 +127,61 @@ def test_a_world_run_runs_once() -> None:
         asyncio.run(run.run())
     with pytest.raises(aiocoll.InvalidArgumentError, match="argument 'fn' must be callable"):
         WorldRun(3, WorldConfig(1))  # type: ignore[arg-type]
+
+
+def _hosted(size: int) -> tuple[_driver.HostedRun, typing.Any]:
+    from aiocoll._worldthread import WorldThread
+
+    run = _driver.HostedRun(WorldConfig(size, c10d="off", sync_ranks="parallel", timeout=30))
+    wt: WorldThread[list[object]] = WorldThread(run.run, "asyncio")
+    wt.start()
+    return run, wt
+
+
+def test_a_hosted_world_gives_up_on_ranks_that_never_end_and_fails_their_waits() -> None:
+    import threading
+
+    from aiocoll._engine import rank_var
+    from aiocoll._engine_comm import EngineComm
+
+    run, wt = _hosted(2)
+    w = run.world()
+    assert all(st.live == 1 for st in w.ranks)  # every rank live before its thread joins
+    errors: list[BaseException] = []
+
+    def rank0() -> None:  # a thread the host starts: rank 1's never comes
+        st = w.ranks[0]
+        rank_var().set(st)
+        st.runs_here()
+        try:
+            EngineComm(w, w.group, 0, threaded=True).all_reduce(torch.ones(1)).wait()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # waiting for rank 1
+    run.give_up(TimeoutError("ranks [0, 1] were still running when the test ended"))
+    t.join(5)
+    assert not t.is_alive()
+    assert wt.wait(5)
+    assert wt.result() == [None, None]
+    assert len(errors) == 1
+    assert "still running when the test ended" in str(errors[0])
+    assert run.outcome.failures == []  # giving up is the host's verdict, not a rank's failure
+
+
+def test_a_hosted_world_reports_the_first_failure_and_ignores_a_second_end() -> None:
+    run, wt = _hosted(2)
+    run.ended(1, KeyError("boom"))
+    run.ended(1, None)  # a failed rank then destroys its group: ignored
+    run.ended(0, None)
+    assert wt.wait(5)
+    assert [rank for rank, _ in run.outcome.failures] == [1]
+    assert run.world().aborted is not None  # the root cause aborted the world
+
+
+def test_a_hosted_world_needs_parallel_ranks_and_no_torch_distributed() -> None:
+    with pytest.raises(aiocoll.InvalidArgumentError, match="in parallel"):
+        _driver.HostedRun(WorldConfig(2, c10d="off"))
