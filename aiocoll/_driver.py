@@ -422,17 +422,19 @@ class HostedRun(WorldRun):
             self._failed(st, exc)  # a root cause aborts the world
             fut.set_exception(exc)
 
-    def give_up(self, exc: BaseException) -> None:
-        """From any thread, once the host is done with its threads: ranks that have not ended
-        are given up on (the world is aborted with ``exc``, failing their waits), and ``run()`` returns."""
+    def give_up(self, error: Callable[[list[int]], BaseException]) -> None:
+        """From any thread, once the host is done with its threads: the ranks that have not
+        ended are given up on, and ``run()`` returns. ``error(ranks)`` aborts the world (failing
+        their waits), if there are any."""
         w = self.world()
 
         def give_up() -> None:
-            left = [fut for fut in self._ends if not fut.done()]
+            left = [rank for rank, fut in enumerate(self._ends) if not fut.done()]
             if left:
+                exc = error(left)
                 w.abort(None, exc)
-            for fut in left:
-                fut.set_exception(exc)
+                for rank in left:
+                    self._ends[rank].set_exception(exc)
 
         w.call_soon_threadsafe(give_up)
 

@@ -89,7 +89,6 @@ from ._driver import HostedRun
 from ._engine import EngineWork, RankState, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._outcome import echoes_abort, warn_unmatched
-from ._stats import Phase
 from ._worldthread import WorldThread
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
@@ -219,9 +218,8 @@ class _HarnessRun:
 
         Returns the operations still unmatched though every rank ended normally.
         """
-        left = [st.rank for st in self.world.ranks if st.phase is Phase.RUNNING]
         # threads the harness gave up on: fail their waits rather than leave them hanging
-        self._run.give_up(TimeoutError(f"ranks {left} were still running when the test ended"))
+        self._run.give_up(lambda left: TimeoutError(f"ranks {left} were still running when the test ended"))
         self._thread.wait()
         return [] if self.world.aborted is not None else self.world.pending_works()
 
