@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from ._ops import P2PRecord
+from ._work import Site
 
 __all__ = [
     "DEFAULT_RECORD",
     "Probe",
     "ProcessRecorder",
     "Recorder",
-    "Site",
     "Stamp",
     "format_signature",
     "summarize_trace",
@@ -103,7 +103,6 @@ class Stamp:
 
 
 Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
-Site = tuple[str, int]  # (file, line)
 
 
 class Probe:
