@@ -192,15 +192,21 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
         "torchrun": [*LAUNCHERS["torchrun"], "--standalone"],
         "aiocoll": LAUNCHERS["aiocoll"],
     }.items():
-        checkpoint = tmp_path / name
-        proc = subprocess.run(
-            [*launcher, "--nproc-per-node", "4", str(path), str(checkpoint)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        for attempt in range(2):
+            checkpoint = tmp_path / f"{name}{attempt}"
+            proc = subprocess.run(
+                [*launcher, "--nproc-per-node", "4", str(path), str(checkpoint)],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            # The reference may crash for reasons of its own: torch 2.10's gloo processes
+            # once died in C++ (std::terminate, SIGABRT) under torchrun. One more run of
+            # torchrun then; aiocoll's run is never repeated.
+            if not (name == "torchrun" and proc.returncode != 0 and "traceback : Signal" in proc.stderr):
+                break
         assert proc.returncode == 0, f"{name}: {proc.stderr}"
         printed[name] = [line for line in proc.stdout.splitlines() if line.startswith("world 4:")]
     assert len(printed["torchrun"]) == 1
