@@ -187,28 +187,33 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) -> None:
     """DDP with DataLoader worker processes and a checkpoint; FSDP2 with distributed checkpoint."""
-    printed = {}
-    for name, launcher in {
-        "torchrun": [*LAUNCHERS["torchrun"], "--standalone"],
-        "aiocoll": LAUNCHERS["aiocoll"],
-    }.items():
-        for attempt in range(2):
-            checkpoint = tmp_path / f"{name}{attempt}"
-            proc = subprocess.run(
-                [*launcher, "--nproc-per-node", "4", str(path), str(checkpoint)],
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            # The reference may crash for reasons of its own: torch 2.10's gloo processes
-            # once died in C++ (std::terminate, SIGABRT) under torchrun. One more run of
-            # torchrun then; aiocoll's run is never repeated.
-            if not (name == "torchrun" and proc.returncode != 0 and "traceback : Signal" in proc.stderr):
-                break
-        assert proc.returncode == 0, f"{name}: {proc.stderr}"
-        printed[name] = [line for line in proc.stdout.splitlines() if line.startswith("world 4:")]
-    assert len(printed["torchrun"]) == 1
-    assert printed["aiocoll"] == printed["torchrun"]  # the same losses and weights, to the printed digit
-    assert printed["aiocoll"][0].endswith("True")  # and the checkpoint restored what was saved
+
+    def launch(name: str, attempt: int = 0) -> subprocess.CompletedProcess[str]:
+        launcher = [*LAUNCHERS["torchrun"], "--standalone"] if name == "torchrun" else LAUNCHERS["aiocoll"]
+        return subprocess.run(
+            [*launcher, "--nproc-per-node", "4", str(path), str(tmp_path / f"{name}{attempt}")],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    def printed(proc: subprocess.CompletedProcess[str]) -> list[str]:
+        return [line for line in proc.stdout.splitlines() if line.startswith("world 4:")]
+
+    ours = launch("aiocoll")  # never repeated
+    assert ours.returncode == 0, f"aiocoll: {ours.stderr}"
+    assert len(printed(ours)) == 1
+    assert printed(ours)[0].endswith("True")  # the checkpoint restored what was saved
+    for attempt in range(2):
+        ref = launch("torchrun", attempt)
+        if ref.returncode == 0 or "traceback : Signal" not in ref.stderr:
+            break
+    else:
+        # The reference crashed for reasons of its own, twice: torch 2.10's gloo processes
+        # died in C++ (std::terminate, SIGABRT) under torchrun in CI on 2026-11-28. There is
+        # then nothing to compare with (aiocoll's own run was checked above).
+        pytest.skip(f"torchrun's own processes died by a signal twice: {ref.stderr.strip().splitlines()[-3:]}")
+    assert ref.returncode == 0, f"torchrun: {ref.stderr}"
+    assert printed(ours) == printed(ref)  # the same losses and weights, to the printed digit
