@@ -639,8 +639,8 @@ def test_ranks_that_a_rank_spawns_start_as_new_processes(tmp_path: Path) -> None
 
 
 def test_a_checkpoint_saves_on_a_pool_thread_while_the_rank_goes_on(tmp_path: Path) -> None:
-    # as dcp.async_save does: dcp.save, with its collectives, on a pool thread; the rank waits
-    # in Future.result(). (async_save itself refuses an aiocoll group: it asks the group for
+    # as dcp.async_save does: dcp.save, with its collectives on a group of its own, on a pool
+    # thread; the rank waits in Future.result(). (async_save itself refuses an aiocoll group: it asks the group for
     # the devices of its registered backends, and a group of its own, as aiocoll's and torch's
     # threaded one are, has none: see the command-line guide)
     name = script(
@@ -655,7 +655,10 @@ def test_a_checkpoint_saves_on_a_pool_thread_while_the_rank_goes_on(tmp_path: Pa
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         pool = ThreadPoolExecutor(1)
-        saving = pool.submit(dcp.save, {"model": model.state_dict()}, checkpoint_id="ckpt")
+        # a group of its own for the save, as async_save makes: its collectives and the
+        # rank's all_reduce below would otherwise race for the default group's order
+        save_pg = dist.new_group(backend="gloo")
+        saving = pool.submit(dcp.save, {"model": model.state_dict()}, checkpoint_id="ckpt", process_group=save_pg)
         t = torch.ones(1)
         dist.all_reduce(t)  # the rank goes on meanwhile
         saving.result()
