@@ -392,7 +392,6 @@ class HostedRun(WorldRun):
         self._ready = threading.Event()
         self._world: World | None = None
         self._not_built: BaseException | None = None  # why the world could not be built
-        self._ends: list[asyncio.Future[object]] = []
 
     @property
     def outcome(self) -> Outcome:
@@ -412,7 +411,7 @@ class HostedRun(WorldRun):
         w.call_soon_threadsafe(self._end, w.ranks[rank], exc)
 
     def _end(self, st: RankState, exc: BaseException | None) -> None:
-        fut = self._ends[st.rank]
+        fut = self.runners[st.rank]  # (every rank of a hosted world is local)
         if fut.done():  # a failed rank then destroys its group too
             return
         if exc is None:
@@ -429,12 +428,12 @@ class HostedRun(WorldRun):
         w = self.world()
 
         def give_up() -> None:
-            left = [rank for rank, fut in enumerate(self._ends) if not fut.done()]
+            left = [rank for rank, fut in enumerate(self.runners) if not fut.done()]
             if left:
                 exc = error(left)
                 w.abort(None, exc)
                 for rank in left:
-                    self._ends[rank].set_exception(exc)
+                    self.runners[rank].set_exception(exc)
 
         w.call_soon_threadsafe(give_up)
 
@@ -451,10 +450,9 @@ class HostedRun(WorldRun):
     def _start(
         self, stack: contextlib.ExitStack, w: World, local: list[RankState], order: list[RankState]
     ) -> list[asyncio.Future[object]]:
-        self._ends = [w.loop.create_future() for _ in local]
         self._world = w
-        self._ready.set()
-        return list(self._ends)
+        self._ready.set()  # (ended() schedules onto the loop: its futures exist before it runs)
+        return [w.loop.create_future() for _ in local]
 
     def _conclude(self, w: World) -> list[object]:
         self._retrieve()  # the host reports failures

@@ -190,7 +190,7 @@ def rank_dump(
             continue
         g = stamp.index[rank]  # the stamp's own column of this rank
         sig = stamp.sig_of(g)
-        rec = record_of(sig, len(info.ranks))
+        rec = record_of(sig)
         if stamp.seq is None:
             if not isinstance(rec, P2PRecord):
                 continue

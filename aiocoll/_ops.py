@@ -105,7 +105,7 @@ class OpRecord(NamedTuple):
     leaves them to each rank (``all_gather``'s list, ``all_to_all``'s splits) or no tensor
     moves; ``dtype``: None where the op moves objects or nothing.
 
-    >>> record_of(AllReduce(torch.zeros(2, 3), Reduction.of(dist.ReduceOp.SUM)).signature(), 4)
+    >>> record_of(AllReduce(torch.zeros(2, 3), Reduction.of(dist.ReduceOp.SUM)).signature())
     OpRecord(op='all_reduce', inputs=torch.Size([2, 3]), outputs=torch.Size([2, 3]), dtype=torch.float32)
     """
 
@@ -168,8 +168,8 @@ class _Base:
         return None
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
-        """How records show a call of signature ``sig`` (one this class made) in a group of ``size``.
+    def record(sig: Sig) -> OpRecord:
+        """How records show a call of signature ``sig`` (one this class made).
 
         Read back here, beside ``signature()``, so that the tuple's layout is known to
         its class alone. The default: no tensor shapes, no dtype.
@@ -187,7 +187,7 @@ class AllReduce(_Base):
         return (self.name, self.op.kind, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -227,7 +227,7 @@ class Reduce(_Base):
         return (self.name, self.dst, self.op.kind, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -257,7 +257,7 @@ class Broadcast(_Base):
         return (self.name, self.src, self.tensor.dtype, _shape(self.tensor))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -288,7 +288,7 @@ class AllGather(_Base):
         return (self.name, self.input.dtype, len(self.outputs))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, dtype, _ = sig
         return OpRecord(name, None, None, dtype)
 
@@ -330,7 +330,7 @@ class AllGatherIntoTensor(_Base):
         return (self.name, self.input.dtype, _shape(self.input), _shape(self.output))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, dtype, inp, out = sig
         return OpRecord(name, inp, out, dtype)
 
@@ -376,7 +376,7 @@ class Gather(_Base):
         return (self.name, self.dst, self.input.dtype, _shape(self.input))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -409,7 +409,7 @@ class Scatter(_Base):
         return (self.name, self.src, self.output.dtype, _shape(self.output))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, shape = sig
         return OpRecord(name, shape, shape, dtype)
 
@@ -443,7 +443,7 @@ class ReduceScatter(_Base):
         return (self.name, self.op.kind, self.output.dtype, tuple(_shape(x) for x in self.inputs))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, shapes = sig
         if not shapes or any(sh != shapes[0] for sh in shapes):
             return OpRecord(name, None, None, dtype)  # outputs of several shapes: each rank's own
@@ -478,7 +478,7 @@ class ReduceScatterTensor(_Base):
         return (self.name, self.op.kind, self.output.dtype, _shape(self.output), _shape(self.input))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, _, dtype, out, inp = sig
         return OpRecord(name, inp, out, dtype)
 
@@ -510,7 +510,7 @@ class AllToAll(_Base):
         return (self.name, self.inputs[0].dtype if self.inputs else None, len(self.outputs))
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, dtype, _ = sig
         return OpRecord(name, None, None, dtype)
 
@@ -555,7 +555,7 @@ class AllToAllSingle(_Base):
         return (self.name, self.input.dtype, _shape(self.input)[1:], _shape(self.output)[1:])
 
     @staticmethod
-    def record(sig: Sig, size: int) -> OpRecord:
+    def record(sig: Sig) -> OpRecord:
         name, dtype, _, _ = sig
         return OpRecord(name, None, None, dtype)
 
@@ -849,8 +849,8 @@ OPS: tuple[type[_Base], ...] = (
 _OPS_BY_NAME: dict[str, type[_Base]] = {op.name: op for op in OPS}
 
 
-def record_of(sig: Hashable, size: int) -> OpRecord | P2PRecord | None:
-    """How records show a call of signature ``sig`` in a group of ``size``; None if no op made it.
+def record_of(sig: Hashable) -> OpRecord | P2PRecord | None:
+    """How records show a call of signature ``sig``; None if no op made it.
 
     ``sig`` is a collective's ``signature()`` (maybe another process's: signatures travel
     in cross-process reports) or a p2p call's ``record_info()``.
@@ -862,4 +862,4 @@ def record_of(sig: Hashable, size: int) -> OpRecord | P2PRecord | None:
     if not (isinstance(sig, tuple) and sig and isinstance(sig[0], str)):
         return None
     op = _OPS_BY_NAME.get(sig[0])
-    return None if op is None else op.record(sig, size)
+    return None if op is None else op.record(sig)
