@@ -400,8 +400,11 @@ class HostedRun(WorldRun):
         return self._outcome
 
     def world(self, timeout: float | None = None) -> World:
-        """The world, from any thread, once built with every rank live; raises if building it failed."""
-        if not self._ready.wait(timeout) or self._world is None:
+        """The world, from any thread, once built with every rank live; raises if building it
+        failed, ``TimeoutError`` if it is not built within ``timeout`` seconds."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"aiocoll: the hosted world was not built within {timeout} s")
+        if self._world is None:
             raise RuntimeError("aiocoll: the hosted world failed to start") from self._not_built
         return self._world
 

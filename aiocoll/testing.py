@@ -86,7 +86,7 @@ from . import _c10d, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
-from ._engine import EngineWork, RankState, current_rank_state, rank_var
+from ._engine import EngineWork, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
 from ._outcome import echoes_abort, warn_unmatched
 from ._worldthread import WorldThread
@@ -191,6 +191,9 @@ def _unpatch() -> None:
 # -- one run of the harness (one test): an aiocoll world its threads join -------------
 
 
+_BUILD_SLICE = 0.05  # seconds between looks at the world thread while waiting for the world
+
+
 class _HarnessRun:
     """The world of one harness run (one test), run by a ``HostedRun`` on a loop of its own.
 
@@ -206,8 +209,18 @@ class _HarnessRun:
         self._run = HostedRun(config)
         self._thread = WorldThread(self._run.run, "auto")
         self._thread.start()
-        self.world = self._run.world()
+        self.world = self._built()
         self.outcome = self._run.outcome
+
+    def _built(self) -> World:
+        """The world once built; raises if its thread ended first (its loop could not be made,
+        so ``run()`` never ran to say so), where waiting for the world alone would never end."""
+        while True:
+            try:
+                return self._run.world(_BUILD_SLICE)
+            except TimeoutError:
+                if self._thread.wait(0):
+                    raise RuntimeError("aiocoll: the harness's world could not start") from self._thread.error
 
     def rank_ended(self, st: RankState, exc: BaseException | None) -> None:
         """From any thread: rank ``st`` is done, or failed with ``exc``."""

@@ -10,9 +10,11 @@ the failing ones can be checked too.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import unittest
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -27,6 +29,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOp
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
 
 import aiocoll
+from aiocoll import _worldthread
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll.testing import ThreadedPGReplacement, replace_threaded_pg
 
@@ -308,6 +311,33 @@ def test_failing_rank_with_spawn_threads_and_init_comms() -> None:
     assert "KeyError: 'rank 0 gave up'" in error
     assert "aiocoll: raised on rank 0 of a world of 3" in error
     assert "aiocoll: ranks [1, 2] were aborted because of it" in error
+
+
+@pytest.mark.usefixtures("aiocoll_pg")
+def test_a_world_that_cannot_start_fails_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the world's loop cannot be made, so its thread ends before the world is built: the
+    # ranks' init_process_group used to wait for the world for good
+    def no_loop(choice: object) -> Callable[[], asyncio.AbstractEventLoop]:
+        def make() -> asyncio.AbstractEventLoop:
+            raise OSError("no loop here")
+
+        return make
+
+    monkeypatch.setattr(_worldthread, "loop_factory", no_loop)
+    # torch's harness calls init_process_group outside its try: its error ends the rank's
+    # thread through threading.excepthook (pytest fails the test on those)
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    runner = threading.Thread(target=run_case, args=(Decorated, "test_collectives"), daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "the test hung"
+    assert len(raised) == 4
+    for e in raised:
+        assert isinstance(e, RuntimeError)
+        assert str(e) == "aiocoll: the harness's world could not start"
+        assert isinstance(e.__cause__, OSError)
+        assert str(e.__cause__) == "no loop here"
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
