@@ -52,11 +52,11 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
-from ._inject import FaultInjector
+from ._inject import FaultInjector, FaultProbe
 from ._liveness import Liveness
 from ._ops import Call, Recv, Send
 from ._p2p import P2PMatcher
-from ._record import Recorder, Stamp
+from ._record import Probe, Recorder, Stamp
 from ._runner import OpRunner
 from ._stats import Phase, RankStatistics, StateName, Statistics
 from ._tasks import RANK, RankTasks, WorldTasks
@@ -643,9 +643,12 @@ class World:
         self._deadlines = (
             None if timeout is None else Deadlines(loop, timeout, self._still_pending, self._expired, self.locked)
         )
-        # the flight recorder (or a trace), when on: the probe that the engine tells of each op
+        # the flight recorder (or a trace), when on, for reports and dumps
         self.recorder = recorder
         self.faults = faults  # faults to inject, when any
+        # what the engine tells of each op, and asks whether a fault hits it: the recorder,
+        # or the faults telling the recorder
+        self.probe: Probe | None = recorder if faults is None else FaultProbe(faults, recorder)
         self.rng = rng  # a seeded schedule's choices, when one is set
         # its ranks' asyncio tasks, found, counted and cancelled (see aiocoll._tasks)
         self.tasks = WorldTasks(self)
@@ -713,7 +716,7 @@ class World:
         if not isinstance(call, _P2P):
             self._join(work)
             return work
-        probe = self.recorder
+        probe = self.probe
         if probe is not None:  # p2p: no sequence number; a stamp of its own
             rank = work._rank.rank
             stamp = work._stamp = probe.p2p(work._group.name, rank, call.record_info())
@@ -766,8 +769,8 @@ class World:
             sig = rdv.sig = call.signature()
             if self._deadlines is not None:
                 self._deadlines.add(rdv)
-            if self.recorder is not None:
-                rdv.stamp = self.recorder.collective(group.name, group.index, seq, sig, group.size)
+            if self.probe is not None:
+                rdv.stamp = self.probe.collective(group.name, group.index, seq, sig, group.size)
         else:
             sig = call.signature()
             if sig != rdv.sig:
@@ -779,9 +782,9 @@ class World:
                 if rdv.stamp is not None:
                     rdv.stamp.differs(grank, sig)
         stamp = rdv.stamp
-        if stamp is not None:  # the flight recorder is on
+        if stamp is not None:  # the world has a probe
             work._stamp = stamp
-            self.recorder.arrived(stamp, grank, work._rank.rank, work._site)  # type: ignore[union-attr]
+            self.probe.arrived(stamp, grank, work._rank.rank, work._site)  # type: ignore[union-attr]
         work._rdv = rdv
         rdv.calls[grank] = call
         rdv.works[grank] = work

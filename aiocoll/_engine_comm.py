@@ -62,11 +62,9 @@ class EngineComm(Comm):
         # CUDA inputs are ready where the caller's current stream is now: mark it here, in
         # the caller's thread (current streams are per thread)
         work._cuda = _cuda.issue(call)
-        faults = self._world.faults
-        if faults is not None:
-            hit = faults.check(work._rank.rank, call.name, self._group.name)
-            if hit is not None:
-                return self._world.inject(*hit, work)
+        probe = self._world.probe
+        if probe is not None and (hit := probe.issuing(work._rank.rank, call.name, self._group.name)) is not None:
+            return self._world.inject(*hit, work)
         if self._threaded:
             world = self._world
             lock = world.lock

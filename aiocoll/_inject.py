@@ -1,6 +1,7 @@
 """Fault injection as the engine applies it: works that a fault hangs or delays are held back.
 
-``_faults`` decides which operation a fault hits (``FaultPlan.check``); the world then
+``_faults`` decides which operation a fault hits (``FaultPlan.check``), asked through the
+world's probe (``FaultProbe``, which tells its recorder everything else); the world then
 raises for a ``fail`` and hands a ``hang`` or a ``delay`` to its ``FaultInjector``, which
 keeps the work out of the engine: a delayed work is entered (``World.post``) when its
 timer fires, a hung one never is. A rank waiting on a held work is not counted as
@@ -18,12 +19,56 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._errors import CollectiveTimeoutError
+from ._faults import Fault, FaultPlan, OpInfo
+from ._ops import P2PRecord
+from ._record import Probe, Stamp
+from ._work import Site
 
-__all__ = ["FaultInjector"]
+__all__ = ["FaultInjector", "FaultProbe"]
+
+
+class FaultProbe(Probe):
+    """Fault injection as the engine's probe: ``plan`` picks the ops that faults hit; the
+    recorder, if the world has one, hears everything else.
+
+    >>> from aiocoll import Fault
+    >>> from aiocoll._record import Recorder
+    >>> probe = FaultProbe(FaultPlan([Fault.fail(rank=1, at=1)], size=2), Recorder(2, 8))
+    >>> probe.issuing(1, "all_reduce", "world"), probe.issuing(1, "barrier", "world")[1]
+    (None, OpInfo(rank=1, index=1, op='barrier', group='world'))
+    """
+
+    __slots__ = ("plan", "recorder")
+
+    def __init__(self, plan: FaultPlan, recorder: Probe | None) -> None:
+        self.plan = plan
+        self.recorder = recorder
+
+    def __repr__(self) -> str:
+        return f"<FaultProbe faults={len(self.plan.faults)} recorder={self.recorder!r}>"
+
+    def issuing(self, rank: int, op: str, group: str) -> tuple[Fault, OpInfo] | None:
+        return self.plan.check(rank, op, group)
+
+    def collective(self, group: str, index: dict[int, int], seq: int, sig: Hashable, size: int) -> Stamp:
+        inner = self.recorder
+        if inner is None:
+            return super().collective(group, index, seq, sig, size)
+        return inner.collective(group, index, seq, sig, size)
+
+    def p2p(self, group: str, rank: int, rec: P2PRecord) -> Stamp:
+        inner = self.recorder
+        if inner is None:
+            return super().p2p(group, rank, rec)
+        return inner.p2p(group, rank, rec)
+
+    def arrived(self, stamp: Stamp, grank: int, rank: int, site: Site | None, at: float | None = None) -> None:
+        if self.recorder is not None:  # (else the stamp is kept nowhere)
+            self.recorder.arrived(stamp, grank, rank, site, at)
 
 
 class _Rank(Protocol):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._faults import Fault, OpInfo
 from ._ops import P2PRecord
 from ._work import Site
 
@@ -106,16 +107,23 @@ Entry = tuple[Stamp, int]  # a stamp and the group-rank whose view it is
 
 
 class Probe:
-    """What the engine and the process-group issuer tell a recorder, and nothing else.
+    """What the engine and the process-group issuer tell a recorder or an injector, and nothing else.
 
     They hold one (or None: a single ``is not None`` check per site) and call it when an
-    op starts: ``collective``/``p2p`` make the op's ``Stamp``, which then hears the op's
-    own events (``arrive``... ``ok``/``failed``); ``arrived`` adds a rank's arrival and
-    keeps the stamp where this recorder keeps it. Subclasses: the world's flight
-    recorder (a trace is the same, keeping everything) and the process recorder.
+    op is issued and when it starts: ``issuing`` may pick a fault for the op instead;
+    ``collective``/``p2p`` make the op's ``Stamp``, which then hears the op's own events
+    (``arrive``... ``ok``/``failed``); ``arrived`` adds a rank's arrival and keeps the
+    stamp where this recorder keeps it. Subclasses: the world's flight recorder (a trace
+    is the same, keeping everything), the process recorder, and fault injection
+    (``aiocoll._inject.FaultProbe``, which tells a recorder the rest).
     """
 
     __slots__ = ()
+
+    def issuing(self, rank: int, op: str, group: str) -> tuple[Fault, OpInfo] | None:
+        """Global ``rank`` issues ``op`` on ``group`` (in its own task or thread, before the
+        op enters the engine): the fault to apply to it instead, if this probe injects one."""
+        return None
 
     def collective(self, group: str, index: dict[int, int], seq: int, sig: Hashable, size: int) -> Stamp:
         """The stamp of collective #``seq`` of ``group`` (``size`` members), made as its first rank arrives."""

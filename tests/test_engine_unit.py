@@ -31,15 +31,17 @@ from aiocoll import (
 )
 from aiocoll._engine import EngineWork, Group, World
 from aiocoll._faults import FaultPlan
+from aiocoll._inject import FaultProbe
 from aiocoll._ops import AllReduce, Barrier, Recv, Reduction, Send
+from aiocoll._record import Recorder
 
 SUM = Reduction.of("sum")
 WAIT = 30.0  # seconds: a bound on waits that should end at once, so a bug fails instead of hanging
 
 
-def make_world(size: int, timeout: float | None = None) -> World:
+def make_world(size: int, timeout: float | None = None, faults: Sequence[Fault] = ()) -> World:
     """A world on the running loop whose ranks are all live, as spawn makes them."""
-    world = World(size, asyncio.get_running_loop(), timeout)
+    world = World(size, asyncio.get_running_loop(), timeout, faults=FaultPlan(faults, size) if faults else None)
     for st in world.ranks:
         st.enter()
     return world
@@ -533,17 +535,41 @@ async def test_matched_p2p_leaves_the_deadlines_behind() -> None:
 
 
 def inject(world: World, rank: int, call: Any) -> EngineWork:
-    """Issue ``call`` for ``rank`` as Comm does when faults are planned: a firing fault takes it."""
-    assert world.faults is not None
+    """Issue ``call`` for ``rank`` as Comm does: a fault its probe picks takes it."""
+    assert world.probe is not None
     work = EngineWork(world.group, rank, call, ("unit.py", rank))
-    hit = world.faults.check(rank, call.name, world.group.name)
+    hit = world.probe.issuing(rank, call.name, world.group.name)
     return world.post(work) if hit is None else world.inject(*hit, work)
 
 
 @pytest.mark.asyncio
+async def test_faults_are_the_world_s_probe_and_tell_its_recorder_the_rest() -> None:
+    loop = asyncio.get_running_loop()
+    assert World(2, loop, None).probe is None
+    recorder = Recorder(2, 8)
+    assert World(2, loop, None, recorder=recorder).probe is recorder
+    world = World(2, loop, None, recorder=recorder, faults=FaultPlan([Fault.delay(rank=0, at=1, seconds=0.01)], 2))
+    for st in world.ranks:
+        st.enter()
+    probe = world.probe
+    assert isinstance(probe, FaultProbe)
+    assert probe.recorder is recorder
+    for call in (Barrier(), Barrier()):
+        works = [inject(world, r, call) for r in (0, 1)]
+        await asyncio.wait_for(asyncio.gather(*works), WAIT)
+    assert list(world.injector.held) == []
+    # the recorder heard both barriers, the delayed one too
+    assert [(st.group, st.seq, st.outcome) for st in recorder.ranks[0]] == [("world", 0, "ok"), ("world", 1, "ok")]
+    assert [(st.group, st.seq) for st in recorder.ranks[1]] == [("world", 0), ("world", 1)]
+    # faults alone: stamps are made for the engine, kept nowhere
+    alone = World(1, loop, None, faults=FaultPlan([Fault.hang(rank=0, at=5)], 1))
+    assert isinstance(alone.probe, FaultProbe)
+    assert alone.probe.recorder is None
+
+
+@pytest.mark.asyncio
 async def test_a_delayed_call_is_held_then_joins() -> None:
-    world = make_world(2)
-    world.faults = FaultPlan([Fault.delay(rank=0, at=0, seconds=0.05)], 2)
+    world = make_world(2, faults=[Fault.delay(rank=0, at=0, seconds=0.05)])
     t0, t1 = ones(1), ones(2)
     w0 = inject(world, 0, AllReduce(t0, SUM))
     assert w0 in world.injector.held
@@ -561,8 +587,7 @@ async def test_a_delayed_call_is_held_then_joins() -> None:
 
 @pytest.mark.asyncio
 async def test_a_hung_call_makes_its_peers_time_out_naming_it() -> None:
-    world = make_world(2, timeout=0.05)
-    world.faults = FaultPlan([Fault.hang(rank=0, at=0)], 2)
+    world = make_world(2, timeout=0.05, faults=[Fault.hang(rank=0, at=0)])
     w0 = inject(world, 0, Barrier())
     w1 = inject(world, 1, Barrier())
     with pytest.raises(CollectiveTimeoutError) as info:
@@ -574,8 +599,7 @@ async def test_a_hung_call_makes_its_peers_time_out_naming_it() -> None:
 
 @pytest.mark.asyncio
 async def test_a_hung_call_alone_times_out_after_twice_the_timeout() -> None:
-    world = make_world(1, timeout=0.02)
-    world.faults = FaultPlan([Fault.hang(rank=0)], 1)
+    world = make_world(1, timeout=0.02, faults=[Fault.hang(rank=0)])
     w = inject(world, 0, Barrier())
     with pytest.raises(CollectiveTimeoutError, match=r"rank 0 waited 0.04s in barrier\(\): hung by an injected fault"):
         await asyncio.wait_for(w, WAIT)
@@ -584,8 +608,7 @@ async def test_a_hung_call_alone_times_out_after_twice_the_timeout() -> None:
 
 @pytest.mark.asyncio
 async def test_a_failing_fault_raises_at_the_call() -> None:
-    world = make_world(2)
-    world.faults = FaultPlan([Fault.fail(rank=1, at=1)], 2)
+    world = make_world(2, faults=[Fault.fail(rank=1, at=1)])
     inject(world, 1, Barrier())  # its operation #0: no fault
     with pytest.raises(InjectedFault, match=r"injected failure on rank 1 at its operation #1 \(barrier\)"):
         inject(world, 1, Barrier())
@@ -594,8 +617,7 @@ async def test_a_failing_fault_raises_at_the_call() -> None:
 
 @pytest.mark.asyncio
 async def test_a_held_call_from_a_rank_thread_is_held_on_the_loop() -> None:
-    world = make_world(2)
-    world.faults = FaultPlan([Fault.hang(rank=1)], 2)
+    world = make_world(2, faults=[Fault.hang(rank=1)])
     works: list[EngineWork] = []
     thread = threading.Thread(target=lambda: works.append(inject(world, 1, Barrier())))
     thread.start()
@@ -609,8 +631,7 @@ async def test_a_held_call_from_a_rank_thread_is_held_on_the_loop() -> None:
 
 @pytest.mark.asyncio
 async def test_abort_fails_every_pending_work_and_every_later_one() -> None:
-    world = make_world(3, timeout=60)
-    world.faults = FaultPlan([Fault.delay(rank=2, at=0, seconds=60)], 3)
+    world = make_world(3, timeout=60, faults=[Fault.delay(rank=2, at=0, seconds=60)])
     coll = inject(world, 0, Barrier())
     send = inject(world, 1, Send(ones(1), 2, 5))
     held = inject(world, 2, Recv(ones(0), 0, 9))
@@ -655,11 +676,18 @@ async def test_cancelling_a_waiting_rank_aborts_the_world() -> None:
 COLLABORATORS = ("_liveness", "_p2p", "_runner", "_inject")
 
 
-def _imports(module: str) -> set[str]:
-    """The aiocoll modules ``module`` imports, anywhere in it (TYPE_CHECKING blocks too)."""
+def _imports(module: str, *, runtime: bool = False) -> set[str]:
+    """The aiocoll modules ``module`` imports, anywhere in it (TYPE_CHECKING blocks too, unless ``runtime``)."""
     tree = ast.parse((Path(aiocoll.__file__).parent / f"{module}.py").read_text(encoding="utf-8"))
+    skipped: set[int] = set()
+    if runtime:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     out: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             if node.module is None:
                 out.update(a.name for a in node.names)
@@ -670,11 +698,22 @@ def _imports(module: str) -> set[str]:
     return out
 
 
+def _imported_by(module: str) -> set[str]:
+    """Every aiocoll module that importing ``module`` brings in at run time, itself and the package aside."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for m in _imports(todo.pop(), runtime=True) - seen - {"aiocoll", module}:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
 @pytest.mark.parametrize("module", COLLABORATORS)
 def test_collaborators_do_not_import_the_engine(module: str) -> None:
     imports = _imports(module)
     assert "_engine" not in imports
-    assert "_faults" not in imports  # (which still refers back to the engine)
+    assert "_engine" not in _imported_by(module)  # not even through the modules it imports
     # among themselves: only the runner knows the liveness, to tell it of ops in flight
     assert imports & set(COLLABORATORS) == ({"_liveness"} if module == "_runner" else set())
 
