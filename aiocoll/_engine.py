@@ -124,15 +124,15 @@ def current_rank_state() -> RankState | None:
 
 
 class RankState:
-    """What the engine knows of one global rank: its tasks and what they wait for."""
+    """One global rank's liveness: its phase, what acts for it (tasks, its thread), what
+    they wait for, and its progress. What faults did to it is the injector's to say, the
+    works torch.distributed issued for it ``settle()``'s (``aiocoll._c10d``)."""
 
     __slots__ = (
         "__weakref__",
         "activity",
         "completed",
         "error",
-        "injected",
-        "issued",
         "live",
         "liveness",
         "parked",
@@ -155,10 +155,7 @@ class RankState:
         self.tasks = RankTasks(self, world.loop)  # the tasks acting for it (see aiocoll._tasks)
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
-        self.injected: str | None = None  # what an injected fault did to it, if it hung
         self.activity: str | None = None  # for reports: what it does while not live (see idle())
-        # works torch.distributed issued for this rank on the loop (see aiocoll.settle)
-        self.issued: list[Work] = []
         # the rank's own thread (sync ranks; 0: none yet): a thread it starts takes no turns,
         # and its waits do not make the rank blocked
         self.thread = 0
@@ -179,11 +176,6 @@ class RankState:
         """It ended with ``e`` (whether that was the root cause is the outcome's to say)."""
         self.phase = Phase.FAILED
         self.error = e
-
-    def take_issued(self) -> list[Work]:
-        """The works torch.distributed issued for it since the last call (see ``aiocoll.settle``)."""
-        works, self.issued = self.issued, []
-        return works
 
     @property
     def blocked(self) -> bool:
@@ -268,7 +260,7 @@ class RankState:
             return "blocked in " + "; ".join(w.describe() for w in self.waiting)
         if self.live == 0 and self.activity is not None:
             return self.activity
-        return self.injected or "running"
+        return self.world.injector.hung.get(self.rank, "running")
 
     def snapshot(self) -> RankStatistics:
         """What this rank is doing now, frozen (for monitors and reports)."""
@@ -751,8 +743,9 @@ class World:
         if fault.kind == "fail":
             raise self.faults.exception(fault, info)
         if fault.kind == "hang":
-            work._rank.injected = f"hung by an injected fault in {info.op} (its operation #{info.index})"
-        self.injector.hold(work, fault.seconds if fault.kind == "delay" else None)
+            self.injector.hang(work, f"hung by an injected fault in {info.op} (its operation #{info.index})")
+        else:
+            self.injector.hold(work, fault.seconds)
         return work
 
     def _join(self, work: EngineWork) -> None:

@@ -74,10 +74,6 @@ class FaultProbe(Probe):
 class _Rank(Protocol):
     @property
     def rank(self) -> int: ...
-    @property
-    def injected(self) -> str | None:
-        """What an injected fault did to the rank, if it hung."""
-        ...
 
 
 class HeldWork(Protocol):
@@ -115,7 +111,7 @@ class _Engine(Protocol[_W_contra]):
 class FaultInjector(Generic[W]):
     """Holds back the works that faults hang or delay, and enters a delayed one when its time comes."""
 
-    __slots__ = ("_engine", "_loop", "_timeout", "held")
+    __slots__ = ("_engine", "_loop", "_timeout", "held", "hung")
 
     def __init__(self, engine: _Engine[W], loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         self._engine = engine
@@ -124,6 +120,12 @@ class FaultInjector(Generic[W]):
         # held works: hung, or delayed, with the timer that ends the hold (None until it is
         # armed on the loop)
         self.held: dict[W, asyncio.TimerHandle | None] = {}
+        self.hung: dict[int, str] = {}  # what a fault did to each rank it hung, for reports
+
+    def hang(self, work: W, why: str) -> None:
+        """Keep ``work`` out of the engine for good (any thread); ``why`` is its rank's state in reports."""
+        self.hung[work._rank.rank] = why
+        self.hold(work, None)
 
     def hold(self, work: W, delay: float | None) -> None:
         """Keep ``work`` out of the engine: enter it ``delay`` seconds from now, or never (None: hung).
@@ -170,7 +172,8 @@ class FaultInjector(Generic[W]):
         assert self._timeout is not None
         del self.held[work]
         err = CollectiveTimeoutError(
-            f"rank {work._rank.rank} waited {2 * self._timeout}s in {work._call.describe()}: {work._rank.injected}"
+            f"rank {work._rank.rank} waited {2 * self._timeout}s in {work._call.describe()}: "
+            f"{self.hung.get(work._rank.rank)}"
         )
         work._resolve(exc=err)
         self._engine.abort(None, err)
