@@ -69,7 +69,11 @@ def target(mains: MainByRank) -> types.ModuleType:
 
 def bound(mains: MainByRank, module: types.ModuleType) -> AbstractContextManager[None]:
     """While the calling thread runs ``module`` as its ``__main__``."""
-    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)()
+    return _binding(mains, module)()
+
+
+def _binding(mains: MainByRank, module: types.ModuleType) -> Callable[[], AbstractContextManager[None]]:
+    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)
 
 
 def carried() -> Callable[[], AbstractContextManager[None]]:
@@ -80,8 +84,7 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     mains = sys.modules.get("__main__")
     if not isinstance(mains, MainByRank):
         return contextlib.nullcontext
-    module = target(mains)
-    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)
+    return _binding(mains, target(mains))
 
 
 def module_main(name: str) -> tuple[types.CodeType, dict[str, object]]:
