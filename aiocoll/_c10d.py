@@ -353,7 +353,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
     def _work(self, works: Sequence[Work], value: Tensors) -> AiocollWork:
         if self._on_loop:
             # functional collectives hide their Work from Python: keep them for settle()
-            issued = _issued.setdefault(self._owner, [])
+            issued = self._owner.issued
             if len(issued) > 64:
                 issued[:] = [w for w in issued if not w.done()]
             issued.extend(works)
@@ -550,13 +550,9 @@ async def settle() -> None:
     st = current_rank_state()
     if st is None:
         raise AiocollError("settle() must be awaited inside an aiocoll rank")
-    while works := _issued.pop(st, None):
-        for w in works:
+    while st.issued:
+        for w in st.take_issued():
             await w
-
-
-# works torch.distributed issued on the loop, by rank (async ranks only), until settle() takes them
-_issued: weakref.WeakKeyDictionary[RankState, list[Work]] = weakref.WeakKeyDictionary()
 
 
 _registered = False

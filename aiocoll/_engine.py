@@ -125,14 +125,15 @@ def current_rank_state() -> RankState | None:
 
 class RankState:
     """One global rank's liveness: its phase, what acts for it (tasks, its thread), what
-    they wait for, and its progress. What faults did to it is the injector's to say, the
-    works torch.distributed issued for it ``settle()``'s (``aiocoll._c10d``)."""
+    they wait for, and its progress; and the works torch.distributed issued for it, which
+    must die with it. What a fault did to it is the injector's to say."""
 
     __slots__ = (
         "__weakref__",
         "activity",
         "completed",
         "error",
+        "issued",
         "live",
         "liveness",
         "parked",
@@ -156,6 +157,9 @@ class RankState:
         self.error: BaseException | None = None  # why the rank failed
         self.completed = 0  # works of this rank that have completed (or failed)
         self.activity: str | None = None  # for reports: what it does while not live (see idle())
+        # works torch.distributed issued for this rank on the loop (see aiocoll.settle): here,
+        # so that they die with the rank (a table keyed by rank elsewhere would keep it alive)
+        self.issued: list[Work] = []
         # the rank's own thread (sync ranks; 0: none yet): a thread it starts takes no turns,
         # and its waits do not make the rank blocked
         self.thread = 0
@@ -176,6 +180,11 @@ class RankState:
         """It ended with ``e`` (whether that was the root cause is the outcome's to say)."""
         self.phase = Phase.FAILED
         self.error = e
+
+    def take_issued(self) -> list[Work]:
+        """The works torch.distributed issued for it since the last call (see ``aiocoll.settle``)."""
+        works, self.issued = self.issued, []
+        return works
 
     @property
     def blocked(self) -> bool:

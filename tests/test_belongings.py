@@ -21,11 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import aiocoll
 from aiocoll import _torch
+from aiocoll._engine import current_rank_state
 from aiocoll._harness import Settings
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -89,6 +91,28 @@ def test_what_a_world_made_dies_when_it_ends(tmp_path: Path) -> None:
         gc.enable()
     assert len(made) == 22  # group [0, 1] on ranks 0 and 1 only
     assert alive == []
+
+
+def test_an_async_rank_s_unsettled_collectives_die_with_it() -> None:
+    # works torch.distributed issued on the loop are kept for settle(); never settled, they
+    # must not keep their rank (and its world) alive once the world has ended
+    ranks: list[weakref.ref[Any]] = []
+
+    async def rank(comm: aiocoll.Comm) -> None:
+        st = current_rank_state()
+        assert st is not None
+        ranks.append(weakref.ref(st))
+        y = funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)
+        # (y's work is kept for settle(), which this rank never awaits)
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        assert work is not None
+        await work  # (aiocoll's works are awaitable on the loop)
+        assert y.tolist() == [2.0]
+
+    aiocoll.spawn(rank, world=2)
+    gc.collect()
+    assert len(ranks) == 2
+    assert [r() for r in ranks] == [None, None]
 
 
 def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> None:
