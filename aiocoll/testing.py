@@ -220,7 +220,11 @@ class _HarnessRun:
                 return self._run.world(_BUILD_SLICE)
             except TimeoutError:
                 if self._thread.wait(0):
-                    raise RuntimeError("aiocoll: the harness's world could not start") from self._thread.error
+                    break
+        try:  # (the thread may have built the world just before it ended)
+            return self._run.world(0)
+        except TimeoutError:
+            raise RuntimeError("aiocoll: the harness's world could not start") from self._thread.error
 
     def rank_ended(self, st: RankState, exc: BaseException | None) -> None:
         """From any thread: rank ``st`` is done, or failed with ``exc``."""
