@@ -312,10 +312,11 @@ class RankLocals:
         if self._loaded != rank:
             self._torch.switch(self._loaded, rank)
             hooks = _torch.module_hooks
+            dtype = torch.get_default_dtype()
             if self._loaded is not None:
                 self._hooks[self._loaded] = hooks.read()
-                self._dtypes[self._loaded] = torch.get_default_dtype()
-            if torch.get_default_dtype() is not self._dtypes[rank]:
+                self._dtypes[self._loaded] = dtype
+            if dtype is not self._dtypes[rank]:
                 torch.set_default_dtype(self._dtypes[rank])
             mine = self._hooks[rank]
             if mine is None:
