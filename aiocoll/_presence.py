@@ -193,8 +193,12 @@ class Presence:
                 return
 
     def stop(self) -> None:
+        """Stop beating; the beating thread is gone when this returns (or after a second, if
+        it is stuck in the store), so that it does not outlive the job it beats for."""
         self._stop.set()
         atexit.unregister(self.leave)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
 
     def leave(self) -> None:
         """Say that this process leaves (at exit): the others name it at once."""

@@ -32,6 +32,7 @@ def presence() -> Iterator[Presence]:
     assert p.host is not None  # Linux: this host is known
     yield p
     p.stop()
+    assert not p._thread.is_alive()  # stopped means gone: it does not outlive its job
 
 
 @pytest.fixture
