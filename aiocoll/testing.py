@@ -216,15 +216,13 @@ class _HarnessRun:
         """The world once built; raises if its thread ended first (its loop could not be made,
         so ``run()`` never ran to say so), where waiting for the world alone would never end."""
         while True:
+            # looked at first: a world built before the thread ended is ready by then
+            ended = self._thread.wait(0)
             try:
-                return self._run.world(_BUILD_SLICE)
+                return self._run.world(0 if ended else _BUILD_SLICE)
             except TimeoutError:
-                if self._thread.wait(0):
-                    break
-        try:  # (the thread may have built the world just before it ended)
-            return self._run.world(0)
-        except TimeoutError:
-            raise RuntimeError("aiocoll: the harness's world could not start") from self._thread.error
+                if ended:
+                    raise RuntimeError("aiocoll: the harness's world could not start") from self._thread.error
 
     def rank_ended(self, st: RankState, exc: BaseException | None) -> None:
         """From any thread: rank ``st`` is done, or failed with ``exc``."""

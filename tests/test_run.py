@@ -640,9 +640,9 @@ def test_ranks_that_a_rank_spawns_start_as_new_processes(tmp_path: Path) -> None
 
 def test_a_checkpoint_saves_on_a_pool_thread_while_the_rank_goes_on(tmp_path: Path) -> None:
     # as dcp.async_save does: dcp.save, with its collectives on a group of its own, on a pool
-    # thread; the rank waits in Future.result(). (async_save itself refuses an aiocoll group: it asks the group for
-    # the devices of its registered backends, and a group of its own, as aiocoll's and torch's
-    # threaded one are, has none: see the command-line guide)
+    # thread; the rank waits in Future.result(). (async_save itself refuses an aiocoll group:
+    # it asks the group for the devices of its registered backends, and a group of its own,
+    # as aiocoll's and torch's threaded one are, has none: see the command-line guide)
     name = script(
         tmp_path,
         "async_ckpt.py",
