@@ -76,7 +76,11 @@ def install() -> None:
             stack = contextlib.ExitStack()
             stack.enter_context(
                 _torch.patched_c10d(
-                    _name_suffix, _mesh_made, lambda pg: isinstance(pg, AiocollProcessGroup), _store_made
+                    _name_suffix,
+                    _mesh_made,
+                    lambda pg: isinstance(pg, AiocollProcessGroup),
+                    _store_made,
+                    _procstate.stepped_out,
                 )
             )
             _patch = stack

@@ -32,7 +32,7 @@ import traceback
 import types
 import unittest
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -350,7 +350,7 @@ class InProcessWorld:
         def rank_fn(comm: Comm) -> None:
             self._engine = getattr(comm, "_world", None)
             _here.world, _here.rank = self, comm.rank
-            _procstate.bind(comm.rank, _procstate.RankEnviron(environ), _pause)
+            _procstate.bind(comm.rank, _procstate.RankEnviron(environ), _pause, _stepped_out)
             try:
                 rank_main(comm.rank)
             except BaseException as e:
@@ -426,6 +426,18 @@ def _pause(seconds: float) -> None:
             turns.event(st.rank).wait(step)
         if left <= PAUSE_SLICE:
             return
+
+
+@contextlib.contextmanager
+def _stepped_out() -> Iterator[None]:
+    """In a harness rank: the other ranks take turns while the block makes a call that may wait for them in C code."""
+    st = current_rank_state()
+    turns = None if st is None else st.world.turns
+    if st is None or turns is None:
+        yield
+        return
+    with turns.stepped_out(st.rank):
+        yield
 
 
 def _forget_locals(error: BaseException) -> None:

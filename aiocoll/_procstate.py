@@ -11,7 +11,7 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   it, where the last writer wins; it is put back as it was once the test ends.
 - ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
   signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
-  wait for each other inside gloo, ``logging``'s configuration) raise ``NeedsProcess``
+  wait for each other inside gloo, an RPC agent, ``logging``'s configuration) raise ``NeedsProcess``
   in a rank thread instead of ending, disturbing or hanging the whole test process (or
   configuring it for every rank and the rest of the run); the harness then runs that
   test in processes after all.
@@ -22,7 +22,9 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
 - ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
   (``Store.get``, ``wait``, ``multi_get`` called from Python) gives its turn to the
   other ranks meanwhile, as a process would leave them the CPU; ranks that poll a file
-  or a store for each other then meet instead of waiting for ever.
+  or a store for each other then meet instead of waiting for ever. So does a rank in a
+  store's ``barrier`` or blocking ``queue_pop``, or making a store (a ``TCPStore``
+  server waits for its clients): it steps out of the turns for the call (``stepped_out``).
 
 All are installed while at least one harness world runs (``ProcessState.enter``) and
 act only in threads bound to a rank (``bind``); every other thread sees the real thing.
@@ -54,6 +56,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
+import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
 
 from . import _locals, _rankmain, _runlogs
 from ._carry import carry
@@ -145,6 +148,7 @@ class _Bound(threading.local):
     rank: int | None = None
     environ: RankEnviron | None = None
     pause: Callable[[float], None] | None = None
+    stepped_out: Callable[[], AbstractContextManager[None]] | None = None
     exits: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] | None = None
     logging: RankLogging | None = None
 
@@ -153,14 +157,25 @@ _bound = _Bound()
 _Store: type[Store] = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
 
 
-def bind(rank: int, environ: RankEnviron, pause: Callable[[float], None]) -> None:
-    """In a harness rank's thread, before its code runs; ``pause(s)`` waits ``s`` seconds, letting others run."""
+def bind(
+    rank: int,
+    environ: RankEnviron,
+    pause: Callable[[float], None],
+    stepped_out: Callable[[], AbstractContextManager[None]],
+) -> None:
+    """In a harness rank's thread, before its code runs.
+
+    ``pause(s)`` waits ``s`` seconds, letting others run; a call made inside
+    ``stepped_out()`` may wait in C code for another rank, the others running meanwhile.
+    """
     _bound.rank, _bound.environ, _bound.pause, _bound.exits = rank, environ, pause, []
+    _bound.stepped_out = stepped_out
     _bound.logging = RankLogging()
 
 
 def unbind() -> None:
     _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = None, None, None, None, None
+    _bound.stepped_out = None
 
 
 def carried() -> Callable[[], AbstractContextManager[None]]:
@@ -171,7 +186,13 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     b = _bound
     if b.rank is None:
         return contextlib.nullcontext
-    return carry(b, rank=b.rank, environ=b.environ, pause=None, exits=b.exits, logging=b.logging)
+    return carry(b, rank=b.rank, environ=b.environ, pause=None, stepped_out=None, exits=b.exits, logging=b.logging)
+
+
+def stepped_out() -> AbstractContextManager[None]:
+    """Around a call that may wait in C code for another rank: in a harness rank, the others take turns meanwhile."""
+    step = _bound.stepped_out
+    return contextlib.nullcontext() if step is None else step()
 
 
 def _rank_logging() -> RankLogging | None:
@@ -308,8 +329,14 @@ class ProcessOnly:
                 else None
             )
 
+        def rpc_agent(*args: object, **kwargs: object) -> str | None:
+            size = kwargs.get("world_size", args[3] if len(args) > 3 else None)
+            return None if size == 1 else "called torch.distributed.rpc.init_rpc (a process has one RPC agent)"
+
         if dist.is_gloo_available():
             refuse(dist.ProcessGroupGloo, "__init__", gloo)
+        if _rpc.is_available():  # (its agent, names and autograd contexts are the process's)
+            refuse(_rpc, "init_rpc", rpc_agent)
         refuse(os, "_exit", lambda code=0: f"called os._exit({code})")
         refuse(os, "abort", lambda: "called os.abort()")
         refuse(os, "kill", to_self)
@@ -381,7 +408,22 @@ class Cooperative:
             real = getattr(_Store, name, None)
             if real is not None:
                 out.append((_Store, name, Cooperative._store_wait(name, real)))
+        for name in ("barrier", "queue_pop"):  # (waits a store cannot tell in advance: made stepped out)
+            real = getattr(_Store, name, None)
+            if real is not None:
+                out.append((_Store, name, Cooperative._stepped_out(name, real)))
         return out
+
+    @staticmethod
+    def _stepped_out(name: str, real: Callable[..., object]) -> Callable[..., object]:
+        def wrapper(store: Store, *args: object, **kwargs: object) -> object:
+            with stepped_out():
+                return real(store, *args, **kwargs)
+
+        wrapper.__name__ = wrapper.__qualname__ = name
+        wrapper.__doc__ = real.__doc__
+        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+        return wrapper
 
     @staticmethod
     def _store_wait(name: str, real: Callable[..., object]) -> Callable[..., object]:

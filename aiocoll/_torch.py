@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -632,6 +632,7 @@ def patched_c10d(
     mesh_made: Callable[[DeviceMesh], int | None],
     is_own: Callable[[dist.ProcessGroup], bool] = lambda pg: False,
     store_made: Callable[[Store], None] = lambda store: None,
+    store_making: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> Iterator[None]:
     """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
 
@@ -650,7 +651,9 @@ def patched_c10d(
       scaler) serves them all, and outlives the world. A script run as ``__main__`` is
       not being imported: it sees its rank's group.
     - Every store made (``FileStore``, ``TCPStore``, ``HashStore``, ``PrefixStore``) is
-      shown to ``store_made``, so that the world can release it when it ends.
+      shown to ``store_made``, so that the world can release it when it ends; its
+      constructor runs inside ``store_making()`` (a ``TCPStore``'s waits for its clients,
+      or for its server).
     - ``init_process_group`` wraps ``sys.excepthook`` per rank; the original comes back.
     - ``monitored_barrier`` on a group ``is_own`` calls the group's own: torch 2.15 first
       asks the group for a CPU backend of its own, which a Python process group does not
@@ -682,7 +685,8 @@ def patched_c10d(
     def store_init(real: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(real)
         def init(self: Store, *args: object, **kwargs: object) -> None:
-            real(self, *args, **kwargs)
+            with store_making():
+                real(self, *args, **kwargs)
             store_made(self)
 
         return init

@@ -354,6 +354,28 @@ class Turns:
         self._took_turn(rank)
         return True
 
+    @contextlib.contextmanager
+    def stepped_out(self, rank: int) -> Iterator[None]:
+        """Rank ``rank`` (holding the turn) makes a call that may wait in C code for another
+        rank: the ready ranks take turns meanwhile, and it takes a turn again after.
+
+        A wait that aiocoll cannot see (a store's constructor waiting for its clients) would
+        otherwise hold the turn until the call timed out.
+        """
+        with self._mu:
+            if self.holder == rank and not self.free:
+                self._pass_on()
+        try:
+            yield
+        finally:
+            with self._mu:
+                back = not self.free  # (an aborted world runs every rank at once)
+                if back:
+                    self._make_ready(rank)
+            if back:
+                self._wake[rank].acquire()  # handed over through this lock, as after a wait
+                self._took_turn(rank)
+
     def _took_turn(self, rank: int) -> None:
         if self._cpus is not None:
             self._cpus.unpin(rank)

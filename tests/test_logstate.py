@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import logging
@@ -34,7 +35,7 @@ def as_rank(rank: int, fn: Callable[[], object]) -> object:
     out: list[object] = []
 
     def body() -> None:
-        _procstate.bind(rank, RankEnviron({}), lambda s: None)
+        _procstate.bind(rank, RankEnviron({}), lambda s: None, contextlib.nullcontext)
         try:
             out.append(fn())
         finally:

@@ -16,12 +16,14 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import sys
 import time
 import unittest
 import warnings
 import weakref
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.distributed.rpc as rpc
 from _unittest_runs import problems, run_case
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -197,6 +200,26 @@ class Waits(_Case):
             open(flag, "w").close()
         seen.setdefault("waited", set()).add(self.rank)
 
+    def test_stores_waiting_in_c_code(self) -> None:
+        # a TCPStore's server waits for its client in its constructor, a blocking
+        # queue_pop (and a store's barrier) for the other rank: in C code, where aiocoll
+        # cannot look, so a rank keeping its turn there would wait out the store's timeout
+        files = dist.FileStore(self.file_name, 2)
+        timeout = timedelta(seconds=20)
+        if self.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            files.set("port", str(port))
+            store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout)
+            self.assertEqual(store.queue_pop("q"), b"from 1")
+        else:
+            store = dist.TCPStore("127.0.0.1", int(files.get("port")), 2, False, timeout=timeout)
+            store.queue_push("q", "from 1")
+        if hasattr(store, "barrier"):  # (torch 2.13 on)
+            store.barrier("all here", 2)
+        seen.setdefault("stores", set()).add(self.rank)
+
 
 class Skips(_Case):
     @skip_if_lt_x_gpu(2)
@@ -257,6 +280,14 @@ class NeedsProcesses(_Case):
 
     def test_gloo_directly(self) -> None:
         dist.ProcessGroupGloo(dist.FileStore(self.file_name, 2), self.rank, 2)
+
+    @unittest.skipUnless(rpc.is_available(), "torch.distributed.rpc is not available")
+    def test_rpc_agent(self) -> None:
+        options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{self.file_name}")
+        rpc.init_rpc(f"worker{self.rank}", rank=self.rank, world_size=2, rpc_backend_options=options)
+        got = rpc.rpc_sync(f"worker{1 - self.rank}", torch.add, args=(torch.ones(2), self.rank))
+        rpc.shutdown()
+        self.assertEqual(got, torch.full((2,), 1.0 + self.rank))
 
     def test_backend_by_name(self) -> None:  # (as a test that lists the registered backends does)
         dist.init_process_group("aiocoll", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
@@ -630,7 +661,7 @@ def test_ranks_waiting_for_each_other_outside_collectives(harness: ProcessHarnes
     t0 = time.monotonic()
     result = run_case(Waits)
     assert result.wasSuccessful(), problems(result)
-    assert seen["waited"] == {0, 1}
+    assert seen["waited"] == seen["stores"] == {0, 1}
     assert time.monotonic() - t0 < 10
 
 
@@ -759,6 +790,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_os_exit",
             "test_signal_handler",
             "test_gloo_directly",
+            "test_rpc_agent",
             "test_separate_worlds",
             "test_exit_codes_checked",
             "test_sparse_all_reduce",
@@ -771,19 +803,26 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 1 initialised torch.distributed as rank 0 of 1" in reasons["test_separate_worlds"]
     assert "skip_return_code_checks" in reasons["test_exit_codes_checked"]
     assert "rank 0 made a ProcessGroupGloo directly" in reasons["test_gloo_directly"]
+    assert "rank 0 called torch.distributed.rpc.init_rpc (a process has one RPC agent)" in reasons["test_rpc_agent"]
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
-    assert len(harness.fallbacks) == 7
+    assert len(harness.fallbacks) == 8
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
 
 def test_what_needs_processes_runs_in_processes() -> None:
     with replace_process_harness() as harness:
-        result = run_case(NeedsProcesses, "test_os_exit")
+        result = run_case(NeedsProcesses, "test_os_exit", "test_rpc_agent")
     assert result.wasSuccessful(), problems(result)
     assert result.skipped == []
-    assert harness.fallbacks == [(f"{__name__}.NeedsProcesses.test_os_exit", "rank 1 called os._exit(0)")]
+    assert harness.fallbacks == [
+        (f"{__name__}.NeedsProcesses.test_os_exit", "rank 1 called os._exit(0)"),
+        (
+            f"{__name__}.NeedsProcesses.test_rpc_agent",
+            "rank 0 called torch.distributed.rpc.init_rpc (a process has one RPC agent)",
+        ),
+    ]
 
 
 # the replacement itself

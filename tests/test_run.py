@@ -189,6 +189,39 @@ def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path)
     assert f"rank 3 called os._exit(4) at {name}:17); run it under torchrun" in refused.stderr
 
 
+def test_ranks_meet_in_a_store_of_their_own_and_rpc_is_refused(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "stores.py",
+        """
+        import datetime, os, sys, torch
+        import torch.distributed as dist
+        import torch.distributed.rpc as rpc
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if sys.argv[1] == "rpc":
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=size)
+        # the pattern of torchrun's agent store: rank 0 serves on MASTER_PORT, its server
+        # waiting in C code for every client; then the ranks meet in a queue
+        host, port, timeout = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), datetime.timedelta(seconds=20)
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        if rank == 0:
+            print("GOT", sorted(store.queue_pop("q").decode() for _ in range(size - 1)))
+        else:
+            store.queue_push("q", f"from {rank}")
+        """,
+    )
+    met = run(tmp_path, "--nproc-per-node", "3", name, "store")
+    assert met.returncode == 0, met.stderr
+    assert "GOT ['from 1', 'from 2']" in met.stdout
+
+    refused = run(tmp_path, "--nproc-per-node", "2", name, "rpc")
+    assert refused.returncode == 1
+    assert (
+        f"rank 0 called torch.distributed.rpc.init_rpc (a process has one RPC agent) at {name}:7); "
+        "run it under torchrun" in refused.stderr
+    )
+
+
 def test_restarts_and_modules(tmp_path: Path) -> None:
     script(
         tmp_path,

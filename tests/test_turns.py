@@ -444,6 +444,56 @@ def test_turns_hand_over_in_order_and_time_out() -> None:
     assert "holder=None" in repr(turns)
 
 
+def test_a_rank_stepped_out_lets_the_others_run_then_takes_a_turn_again() -> None:
+    # rank 0 waits in a call aiocoll cannot see into (a lock here, a store's C code in
+    # life) for rank 1, which could not run if rank 0 kept the turn
+    turned: list[int] = []
+    turns = Turns(2, None, turned.append)
+    released = threading.Lock()
+    released.acquire()
+    log: list[str] = []
+
+    def rank(r: int) -> None:
+        turns.begin(r)
+        if r == 0:
+            with turns.stepped_out(0):
+                assert released.acquire(timeout=10)
+            log.append(f"0 back, holder {turns.holder}")
+        else:
+            log.append("1 runs")
+            released.release()
+            time.sleep(0.05)  # still its turn: rank 0 must wait for it to end
+            log.append("1 ends")
+        turns.end(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    turns.start([0, 1])
+    for t in threads:
+        t.join(10)
+    assert log == ["1 runs", "1 ends", "0 back, holder 0"]
+    assert turned == [0, 1, 0]
+    assert turns.holder is None
+
+
+def test_a_rank_stepped_out_of_an_aborted_world_comes_back_at_once() -> None:
+    turns = Turns(1, None, lambda r: None)
+    done = threading.Event()
+
+    def rank() -> None:
+        turns.begin(0)
+        with turns.stepped_out(0):
+            turns.free_all()  # (the world was aborted meanwhile)
+        done.set()
+
+    t = threading.Thread(target=rank)
+    t.start()
+    turns.start([0])
+    t.join(10)
+    assert done.is_set()
+
+
 def test_a_failure_taking_a_turn_is_the_ranks_and_hangs_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiocoll._locals import RankLocals
 
