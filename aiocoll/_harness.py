@@ -257,6 +257,7 @@ class InProcessWorld:
         self._started = 0.0
         self._entered = False  # the process-wide patches are in force for this world
         self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
+        self.initialised: set[int] = set()  # the ranks that initialised torch.distributed (through ``rendezvous``)
         self.options: WorldOptions = {}  # more of the world's configuration (aiocoll run's --trace, ...)
         self.grace = GRACE  # seconds ranks get to wind down once cancelled, before they are left behind
         self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted
@@ -356,6 +357,8 @@ class InProcessWorld:
             except BaseException as e:
                 if isinstance(e, _procstate.NeedsProcess):
                     self._needs = self._needs or e
+                elif self.initialised and comm.rank not in self.initialised and _own_failure(e):
+                    e.add_note(_shared_init(comm.rank, sorted(self.initialised)))
                 self._raised.append(e)  # (the world keeps each rank's error: RankState.error)
                 raise
             finally:
@@ -524,7 +527,24 @@ def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | N
             _here.rank,
             f"initialised torch.distributed as rank {rank} of {world_size}: its ranks form worlds of their own",
         )
+    world.initialised.add(rank)
     return world.store, rank, world_size
+
+
+def _own_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a rank's own error (not an exit, a skip, or its release by another rank's failure)."""
+    return isinstance(e, Exception) and not isinstance(e, unittest.SkipTest) and not echoes_abort(e)
+
+
+def _shared_init(rank: int, initialised: list[int]) -> str:
+    """What a rank that failed without initialising torch.distributed, while others did, may have met."""
+    return (
+        f"aiocoll: rank {rank} never initialised torch.distributed, while ranks {initialised} did. If its code "
+        "calls init_process_group before it failed, state that a library keeps once per process (a singleton, "
+        "such as accelerate's PartialState, or a module's global) served every rank: the ranks share one "
+        "process, and one rank's init_process_group stood for theirs. Run such code in processes of its own "
+        "(torchrun)"
+    )
 
 
 def _environ_int(name: str, url: str) -> int:

@@ -222,6 +222,38 @@ def test_ranks_meet_in_a_store_of_their_own_and_rpc_is_refused(tmp_path: Path) -
     )
 
 
+def test_a_rank_a_process_wide_singleton_initialised_for_is_told_so(tmp_path: Path) -> None:
+    # the pattern of accelerate's PartialState: state kept once per process, which in
+    # processes makes each rank initialise torch.distributed once, and in one process once
+    script(
+        tmp_path,
+        "state.py",
+        """
+        import torch.distributed as dist
+        _shared = {}
+        def setup():
+            if not _shared:
+                _shared["backend"] = "gloo"  # (filled in before initialising, as PartialState's is)
+                dist.init_process_group(_shared["backend"])
+        """,
+    )
+    name = script(
+        tmp_path,
+        "single.py",
+        """
+        import torch.distributed as dist
+        import state
+        state.setup()
+        dist.barrier()
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", name)
+    assert proc.returncode == 1
+    assert "ValueError: Default process group has not been initialized" in proc.stderr
+    assert "aiocoll: rank 1 never initialised torch.distributed, while ranks [0] did" in proc.stderr
+    assert "such as accelerate's PartialState" in proc.stderr
+
+
 def test_restarts_and_modules(tmp_path: Path) -> None:
     script(
         tmp_path,
