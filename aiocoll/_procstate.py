@@ -11,7 +11,8 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   it, where the last writer wins; it is put back as it was once the test ends.
 - ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
   signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
-  wait for each other inside gloo, an RPC agent, ``logging``'s configuration) raise ``NeedsProcess``
+  wait for each other inside gloo, an RPC agent, ``logging``'s configuration, a library
+  known to keep state once per process: ``OnePerProcess``) raise ``NeedsProcess``
   in a rank thread instead of ending, disturbing or hanging the whole test process (or
   configuring it for every rank and the rest of the run); the harness then runs that
   test in processes after all.
@@ -41,6 +42,7 @@ import atexit
 import contextlib
 import contextvars
 import functools
+import importlib.abc
 import os
 import signal
 import sys
@@ -53,7 +55,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
@@ -347,6 +349,36 @@ class ProcessOnly:
         return out
 
 
+class OnePerProcess(importlib.abc.MetaPathFinder):
+    """Refuses, in a bound rank thread, to import a library known to keep state once per process.
+
+    Such state would serve every rank of the process (``sys.modules`` is one), so a run
+    would differ from torchrun's without a word: Lightning's ``rank_zero_only.rank`` is
+    the last rank's for all of them, so rank 0's rank-zero-only logging never runs.
+    Only libraries measured here are listed (``LIBRARIES``); one imported before the
+    ranks start (by a test file, say) is not seen.
+    """
+
+    LIBRARIES: ClassVar[dict[str, str]] = {
+        "accelerate": "whose PartialState, behind its Accelerator, is one per process",
+        "lightning": "which keeps the process's rank in rank_zero_only.rank",
+        "lightning_fabric": "which keeps the process's rank in rank_zero_only.rank",
+        "pytorch_lightning": "which keeps the process's rank in rank_zero_only.rank",
+    }
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        rank = _bound.rank
+        if rank is not None:
+            top = fullname.partition(".")[0]
+            why = self.LIBRARIES.get(top)
+            if why is not None:
+                raise NeedsProcess(rank, f"imported {top}, {why}: the ranks of one process would share it")
+        return None  # (another finder finds the module)
+
+    def __repr__(self) -> str:
+        return f"<OnePerProcess {sorted(self.LIBRARIES)}>"
+
+
 class RankExit:
     """``atexit`` per rank: what a rank's test code registers runs when the rank ends, as at its process's exit.
 
@@ -505,6 +537,7 @@ class ProcessState:
         self._lock = threading.Lock()
         self._count = 0
         self._saved: list[tuple[object, str, object]] = []
+        self._finder = OnePerProcess()
 
     def enter(self) -> None:
         with self._lock:
@@ -521,12 +554,15 @@ class ProcessState:
                 # (a logger's attributes are its instances' alone until then: nothing to put back)
                 self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
                 setattr(owner, name, fn)
+            sys.meta_path.insert(0, self._finder)  # (in place: finders others add meanwhile stay)
 
     def exit(self) -> None:
         with self._lock:
             self._count -= 1
             if self._count:
                 return
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self._finder)
             for owner, name, real in reversed(self._saved):
                 if real is _MISSING:
                     delattr(owner, name)

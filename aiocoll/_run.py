@@ -339,7 +339,11 @@ def _collection_paused() -> Iterator[None]:
 
 def _call_site(e: BaseException, script: str) -> str:
     """`` at file:line``: where the rank made the call it was refused (and the script's line, if elsewhere)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(PACKAGE_DIR)]
+    frames = [
+        f
+        for f in traceback.extract_tb(_harness.from_rank_code(e.__traceback__))
+        if not f.filename.startswith(PACKAGE_DIR) and not f.filename.startswith("<frozen ")  # (the import system's)
+    ]
     if not frames:
         return ""
     call = frames[-1]

@@ -11,6 +11,7 @@ the failing ones can be checked too.
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import multiprocessing
 import os
@@ -52,6 +53,7 @@ import aiocoll
 import aiocoll._harness
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll._harness import Settings
+from aiocoll._procstate import OnePerProcess
 from aiocoll.testing import ProcessHarnessReplacement, replace_process_harness
 
 # ranks record here what the pytest tests then check (one process: they can)
@@ -809,6 +811,27 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert len(harness.fallbacks) == 8
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
+
+
+class PerProcessLibrary(_Case):
+    world = 2
+
+    def test_imports_it(self) -> None:
+        importlib.import_module("aiocoll_test_per_process")
+
+
+def test_a_library_known_to_keep_state_per_process_needs_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(OnePerProcess.LIBRARIES, "aiocoll_test_per_process", "which is made up")
+    with replace_process_harness(fallback="skip"):
+        result = run_case(PerProcessLibrary)
+    assert result.wasSuccessful(), problems(result)
+    [(_, reason)] = result.skipped
+    assert reason == (
+        "aiocoll: rank 0 imported aiocoll_test_per_process, which is made up: the ranks of one process would "
+        "share it: the test needs processes of its own"
+    )
+    assert not any(isinstance(f, OnePerProcess) for f in sys.meta_path)  # removed with the world
+    assert {"accelerate", "lightning"} <= set(OnePerProcess.LIBRARIES)
 
 
 def test_what_needs_processes_runs_in_processes() -> None:

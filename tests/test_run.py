@@ -222,6 +222,26 @@ def test_ranks_meet_in_a_store_of_their_own_and_rpc_is_refused(tmp_path: Path) -
     )
 
 
+def test_a_library_known_to_keep_state_per_process_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "lightning").mkdir()  # (a stand-in: the refusal goes by the name)
+    (tmp_path / "lightning" / "__init__.py").write_text("raise AssertionError('imported')\n", encoding="utf-8")
+    name = script(
+        tmp_path,
+        "fabric.py",
+        """
+        import torch
+        from lightning import Fabric
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "2", name)
+    assert proc.returncode == 1
+    assert (
+        f"aiocoll run: {name} needs processes of its own (rank 0 imported lightning, which keeps the process's "
+        f"rank in rank_zero_only.rank: the ranks of one process would share it at {name}:3); run it under torchrun"
+    ) in proc.stderr
+    assert "imported'" not in proc.stderr
+
+
 def test_a_rank_a_process_wide_singleton_initialised_for_is_told_so(tmp_path: Path) -> None:
     # the pattern of accelerate's PartialState: state kept once per process, which in
     # processes makes each rank initialise torch.distributed once, and in one process once
