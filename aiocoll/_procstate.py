@@ -50,11 +50,12 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from types import FrameType
+from importlib.machinery import ModuleSpec
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch.distributed as dist
@@ -366,17 +367,41 @@ class OnePerProcess(importlib.abc.MetaPathFinder):
         "pytorch_lightning": "which keeps the process's rank in rank_zero_only.rank",
     }
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         rank = _bound.rank
-        if rank is not None:
-            top = fullname.partition(".")[0]
-            why = self.LIBRARIES.get(top)
-            if why is not None:
-                raise NeedsProcess(rank, f"imported {top}, {why}: the ranks of one process would share it")
-        return None  # (another finder finds the module)
+        top = fullname.partition(".")[0]
+        why = self.LIBRARIES.get(top)
+        if rank is None or why is None:
+            return None  # (the next finder finds it)
+        # the library's real spec, so that code asking whether it is installed
+        # (importlib.util.find_spec) is told the truth; importing it is what is refused
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec: ModuleSpec | None = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None:
+                spec.loader = _Refused(
+                    NeedsProcess(rank, f"imported {top}, {why}: the ranks of one process would share it")
+                )
+                return spec
+        return None
 
     def __repr__(self) -> str:
         return f"<OnePerProcess {sorted(self.LIBRARIES)}>"
+
+
+class _Refused(importlib.abc.Loader):
+    """Loads nothing: raises ``refusal`` where the module would run."""
+
+    def __init__(self, refusal: NeedsProcess) -> None:
+        self.refusal = refusal
+
+    def create_module(self, spec: ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        raise self.refusal
 
 
 class RankExit:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -817,14 +819,22 @@ class PerProcessLibrary(_Case):
     world = 2
 
     def test_imports_it(self) -> None:
+        # asking whether it is installed is no import: told the truth either way
+        seen["installed"] = [importlib.util.find_spec(f"aiocoll_test_per_process{s}") is not None for s in ("", "_x")]
         importlib.import_module("aiocoll_test_per_process")
 
 
-def test_a_library_known_to_keep_state_per_process_needs_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(OnePerProcess.LIBRARIES, "aiocoll_test_per_process", "which is made up")
+def test_a_library_known_to_keep_state_per_process_needs_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "aiocoll_test_per_process.py").write_text("raise AssertionError('it ran')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("aiocoll_test_per_process", "aiocoll_test_per_process_x"):  # (the latter not installed)
+        monkeypatch.setitem(OnePerProcess.LIBRARIES, name, "which is made up")
     with replace_process_harness(fallback="skip"):
         result = run_case(PerProcessLibrary)
     assert result.wasSuccessful(), problems(result)
+    assert seen["installed"] == [True, False]
     [(_, reason)] = result.skipped
     assert reason == (
         "aiocoll: rank 0 imported aiocoll_test_per_process, which is made up: the ranks of one process would "
