@@ -194,8 +194,29 @@ class _Here(threading.local):
     rank: int = -1
 
 
+def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | None, timeout: float) -> None:
+    """torch's suite's ``Barrier.sync`` in a harness rank: each rank counts its own barriers, as a process would.
+
+    A rank's count goes up by one at each barrier; it waits (letting the others run)
+    until exactly ``wait_for`` ranks (all, by default) have counted as far, or raises
+    torch's ``RuntimeError("barrier timeout")`` after ``timeout`` seconds, as torch's does.
+    """
+    world, rank = _here.world, _here.rank
+    if world is None:
+        real(wait_for, timeout)
+        return
+    counts = world.barriers
+    counts[rank] = mine = counts.get(rank, 0) + 1
+    wanted = dist.get_world_size() if wait_for is None else wait_for
+    start = time.monotonic()
+    while sum(n >= mine for n in counts.values()) != wanted:
+        if time.monotonic() - start > timeout:
+            raise RuntimeError("barrier timeout")
+        _pause(0.005)
+
+
 _here = _Here()
-_process_state = _procstate.ProcessState()
+_process_state = _procstate.ProcessState(lambda: _torch.process_harness.suite_barrier(_suite_barrier))
 
 
 @dataclass(frozen=True)
@@ -258,6 +279,7 @@ class InProcessWorld:
         self._entered = False  # the process-wide patches are in force for this world
         self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
         self.initialised: set[int] = set()  # the ranks that initialised torch.distributed (through ``rendezvous``)
+        self.barriers: dict[int, int] = {}  # each rank's count of torch's suite's barriers (``_suite_barrier``)
         self.options: WorldOptions = {}  # more of the world's configuration (aiocoll run's --trace, ...)
         self.grace = GRACE  # seconds ranks get to wind down once cancelled, before they are left behind
         self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch.distributed as dist
 import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
 
-from . import _locals, _rankmain, _runlogs
+from . import _locals, _rankmain, _runlogs, _torch
 from ._carry import carry
 from ._logstate import RankLogging, descriptors
 from ._paths import PACKAGE_DIR
@@ -340,6 +340,9 @@ class ProcessOnly:
             refuse(dist.ProcessGroupGloo, "__init__", gloo)
         if _rpc.is_available():  # (its agent, names and autograd contexts are the process's)
             refuse(_rpc, "init_rpc", rpc_agent)
+        # (one profiling session per process: ranks starting theirs at once crash kineto, and a
+        # process's profile would show its backend's events, gloo's, where these ranks have aiocoll's)
+        refuse(*_torch.profiler_start(), lambda *args, **kwargs: "started torch's profiler (one per process)")
         refuse(os, "_exit", lambda code=0: f"called os._exit({code})")
         refuse(os, "abort", lambda: "called os.abort()")
         refuse(os, "kill", to_self)
@@ -558,11 +561,12 @@ class RankThreads:
 class ProcessState:
     """Installs ``RankEnviron`` and ``ProcessOnly`` while harness worlds run (counted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, more: Callable[[], list[Patch]] = list) -> None:
         self._lock = threading.Lock()
         self._count = 0
         self._saved: list[tuple[object, str, object]] = []
         self._finder = OnePerProcess()
+        self._more = more  # the harness's own patches, looked for as each first world starts
 
     def enter(self) -> None:
         with self._lock:
@@ -575,6 +579,7 @@ class ProcessState:
             patches += Cooperative.wrappers()
             patches += descriptors(_rank_logging)
             patches += RankThreads.wrappers()
+            patches += self._more()
             for owner, name, fn in patches:
                 # (a logger's attributes are its instances' alone until then: nothing to put back)
                 self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))

@@ -84,6 +84,7 @@ __all__ = [
     "premul_factor",
     "prepare_for_rank_threads",
     "process_harness",
+    "profiler_start",
     "python_process_group",
     "reduce_scatter_into",
     "set_grad_enabled",
@@ -307,6 +308,19 @@ def prepare_for_rank_threads() -> None:
     if ensure_guard is not None and not torch.cuda.is_available():
         _install_cuda_guard(ensure_guard)
     _prepared = True
+
+
+def profiler_start() -> tuple[type, str]:
+    """``(class, method name)`` of what starts a session of torch's profiler, one per process.
+
+    ``torch.autograd.profiler.profile`` calls ``_prepare_trace`` as it is entered (only if
+    enabled), and ``torch.profiler.profile`` (kineto's) through the one it holds, from
+    ``start``: the same in 2.10-2.15.
+    """
+    from torch.autograd import profiler
+
+    _need(profiler.profile, "_prepare_trace", "torch.autograd.profiler.profile._prepare_trace")
+    return profiler.profile, "_prepare_trace"
 
 
 def _install_cuda_guard(ensure_guard: Callable[[], None]) -> None:
@@ -859,6 +873,34 @@ class process_harness:
     def test_timeout(test_id: str) -> float:
         """Seconds torch's harness gives the test before it stops its processes."""
         return float(_need(process_harness.module(), "get_timeout", "common_distributed.get_timeout")(test_id))
+
+    SUITE = "torch.testing._internal.distributed.distributed_test"
+
+    @staticmethod
+    def suite_barrier(
+        sync: Callable[[Callable[[int | None, float], None], int | None, float], None],
+    ) -> list[tuple[object, str, object]]:
+        """``(owner, name, replacement)`` for the barrier of torch's own multi-process suite, if it is loaded.
+
+        ``distributed_test.py`` (the tests ``test_distributed_spawn.py`` runs, shipped in
+        the wheel) makes its ranks meet before and after each test in ``Barrier.sync(wait_for=None,
+        timeout=10)``, a classmethod: each process counts its barriers in a class attribute
+        and writes the count to a file named by its pid, which ranks of one process share.
+        ``sync(real, wait_for, timeout)`` runs instead, ``real(wait_for, timeout)`` being
+        torch's (for threads outside a harness rank). Nothing where the module is not loaded
+        (the suite is not being run).
+        """
+        barrier = getattr(sys.modules.get(process_harness.SUITE), "Barrier", None)
+        real = None if barrier is None else barrier.__dict__.get("sync")
+        if not isinstance(real, classmethod):
+            return []
+        fn = real.__func__
+
+        def patched(cls: type, wait_for: int | None = None, timeout: float = 10) -> None:
+            sync(lambda w, t: fn(cls, w, t), wait_for, timeout)
+
+        functools.update_wrapper(patched, fn)
+        return [(barrier, "sync", classmethod(patched))]
 
     @staticmethod
     @contextmanager

@@ -53,6 +53,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 
 import aiocoll
 import aiocoll._harness
+import aiocoll._torch
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll._harness import Settings
 from aiocoll._procstate import OnePerProcess
@@ -292,6 +293,13 @@ class NeedsProcesses(_Case):
         got = rpc.rpc_sync(f"worker{1 - self.rank}", torch.add, args=(torch.ones(2), self.rank))
         rpc.shutdown()
         self.assertEqual(got, torch.full((2,), 1.0 + self.rank))
+
+    def test_profiler(self) -> None:
+        self.init()
+        with torch.autograd.profiler.profile() as prof:
+            dist.all_reduce(torch.ones(1))
+        # in a process, the backend's own event ("gloo:all_reduce", as torch's suite checks)
+        self.assertTrue(any(e.name.startswith("gloo:all_reduce") for e in prof.function_events))
 
     def test_backend_by_name(self) -> None:  # (as a test that lists the registered backends does)
         dist.init_process_group("aiocoll", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
@@ -799,6 +807,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_exit_codes_checked",
             "test_sparse_all_reduce",
             "test_backend_by_name",
+            "test_profiler",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -810,9 +819,55 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "rank 0 called torch.distributed.rpc.init_rpc (a process has one RPC agent)" in reasons["test_rpc_agent"]
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
-    assert len(harness.fallbacks) == 8
+    assert "started torch's profiler (one per process)" in reasons["test_profiler"]
+    assert len(harness.fallbacks) == 9
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
+
+
+class _SuiteBarrier:
+    """Stands for the barrier of torch's own suite (distributed_test.py): torch's runs only outside ranks here."""
+
+    calls = 0
+
+    @classmethod
+    def sync(cls, wait_for: int | None = None, timeout: float = 10) -> None:
+        cls.calls += 1
+
+
+class SuiteBarrier(_Case):
+    world = 3
+
+    def test_meets(self) -> None:
+        self.init()
+        log = seen.setdefault("barrier", [])
+        log.append(("before", self.rank))
+        if self.rank == 1:
+            time.sleep(0.05)  # the others wait meanwhile, their turns given up
+        _SuiteBarrier.sync()
+        log.append(("after", self.rank))
+        _SuiteBarrier.sync()
+        if self.rank == 2:
+            with pytest.raises(RuntimeError, match=r"^barrier timeout$"):  # as torch's says it
+                _SuiteBarrier.sync(timeout=0.1)
+
+
+def test_torchs_suite_barrier_counts_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    suite = type(sys)("distributed_test")
+    suite.Barrier = _SuiteBarrier  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, aiocoll._torch.process_harness.SUITE, suite)
+    real = _SuiteBarrier.__dict__["sync"]
+    with replace_process_harness(fallback="skip") as harness:
+        result = run_case(SuiteBarrier)
+    assert result.wasSuccessful(), problems(result)
+    assert harness.fallbacks == []
+    log = seen["barrier"]
+    assert sorted(log[:3]) == [("before", 0), ("before", 1), ("before", 2)]
+    assert sorted(log[3:]) == [("after", 0), ("after", 1), ("after", 2)]
+    assert _SuiteBarrier.calls == 0  # torch's own never ran in a rank
+    assert _SuiteBarrier.__dict__["sync"] is real  # put back
+    _SuiteBarrier.sync()  # outside ranks, torch's
+    assert _SuiteBarrier.calls == 1
 
 
 class PerProcessLibrary(_Case):
