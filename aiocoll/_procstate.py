@@ -343,6 +343,7 @@ class ProcessOnly:
         # (one profiling session per process: ranks starting theirs at once crash kineto, and a
         # process's profile would show its backend's events, gloo's, where these ranks have aiocoll's)
         refuse(*_torch.profiler_start(), lambda *args, **kwargs: "started torch's profiler (one per process)")
+        out.append((os, "getpid", ProcessOnly._getpid(os.getpid)))
         refuse(os, "_exit", lambda code=0: f"called os._exit({code})")
         refuse(os, "abort", lambda: "called os.abort()")
         refuse(os, "kill", to_self)
@@ -351,6 +352,29 @@ class ProcessOnly:
         refuse(signal, "alarm", lambda seconds: f"set an alarm ({seconds} s)")
         refuse(signal, "setitimer", lambda which, seconds, interval=0.0: "set an interval timer")
         return out
+
+    # torch's own tests live among the installed packages, and are a rank's own code
+    TORCH_TESTS = os.path.join(os.path.dirname(dist.__file__), "..", "testing", "_internal", "")
+
+    @staticmethod
+    def _getpid(real: Callable[[], int]) -> Callable[[], int]:
+        """``os.getpid``, refused to a rank's own code: a process id taken as the rank's
+        identity (a file named by it) would be every rank's. Libraries (the standard library's
+        ``logging``, installed packages) get the real one."""
+        tests = os.path.normpath(ProcessOnly.TORCH_TESTS)
+
+        def getpid() -> int:
+            rank = _bound.rank
+            if rank is not None:
+                where = sys._getframe(1).f_code.co_filename
+                libraries = where.startswith((*RankExit.LIBRARIES, PACKAGE_DIR)) or where.startswith("<")
+                if not libraries or where.startswith(tests):
+                    raise NeedsProcess(rank, "took its process id (os.getpid()), which the ranks of one process share")
+            return real()
+
+        getpid.__doc__ = real.__doc__
+        getpid.__wrapped__ = real  # type: ignore[attr-defined]
+        return getpid
 
 
 class OnePerProcess(importlib.abc.MetaPathFinder):

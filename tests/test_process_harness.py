@@ -88,7 +88,7 @@ class Basics(_Case):
 
     def test_runs_in_this_process(self) -> None:
         self.init()
-        self.assertEqual(os.getpid(), seen["pid"])
+        self.assertTrue(seen.get("test process"))  # the pytest process's own dict: not a process of its own
         self.assertEqual(dist.get_backend(), "gloo")  # as asked, while the group is aiocoll's
         self.assertIsInstance(dist.group.WORLD, AiocollProcessGroup)
         self.assertEqual((dist.get_rank(), dist.get_world_size()), (self.rank, 4))
@@ -293,6 +293,10 @@ class NeedsProcesses(_Case):
         got = rpc.rpc_sync(f"worker{1 - self.rank}", torch.add, args=(torch.ones(2), self.rank))
         rpc.shutdown()
         self.assertEqual(got, torch.full((2,), 1.0 + self.rank))
+
+    def test_pid_as_identity(self) -> None:
+        with open(f"{self.file_name}.{os.getpid()}", "w") as f:  # each process's own file, in processes
+            f.write(str(self.rank))
 
     def test_profiler(self) -> None:
         self.init()
@@ -513,7 +517,7 @@ class TorchOwn(_Case):
     world = 2
 
     def test_in_processes(self) -> None:
-        if os.getpid() == int(os.environ["AIOCOLL_TEST_PID"]):
+        if seen.get("test process"):  # (a process of its own imported this module afresh)
             raise AssertionError("ran in the test process")
 
 
@@ -529,7 +533,7 @@ def _failure_of(result: unittest.TestResult) -> str:
 @pytest.fixture(autouse=True)
 def _seen() -> Iterator[None]:
     seen.clear()
-    seen["pid"] = os.getpid()
+    seen["test process"] = True
     yield
     seen.clear()
 
@@ -808,6 +812,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_sparse_all_reduce",
             "test_backend_by_name",
             "test_profiler",
+            "test_pid_as_identity",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -820,7 +825,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
     assert "started torch's profiler (one per process)" in reasons["test_profiler"]
-    assert len(harness.fallbacks) == 9
+    assert "took its process id (os.getpid()), which the ranks of one process share" in reasons["test_pid_as_identity"]
+    assert len(harness.fallbacks) == 10
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
@@ -929,8 +935,7 @@ def test_context_manager_restores_torch_exactly() -> None:
     assert "restored" in repr(outer)
 
 
-def test_plain_call_until_restore(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIOCOLL_TEST_PID", str(os.getpid()))  # the processes inherit it
+def test_plain_call_until_restore() -> None:
     before = _torch_state()
     r = replace_process_harness()
     try:

@@ -159,6 +159,10 @@ def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path)
         if sys.argv[1] == "os-exit" and rank == 3:
             import os
             os._exit(4)  # what only a process of its own can do
+        if sys.argv[1] == "pid":
+            import logging, os
+            logging.getLogger().warning("logging takes the pid")  # (a library's use: allowed)
+            print("PID", os.getpid())  # the script's own: in processes, each rank's own
         """,
     )
     raised = run(tmp_path, "--nproc-per-node", "4", name, "raise")
@@ -187,6 +191,13 @@ def test_a_failing_rank_is_reported_as_torchrun_would_and_better(tmp_path: Path)
     refused = run(tmp_path, "--nproc-per-node", "4", name, "os-exit")
     assert refused.returncode == 1
     assert f"rank 3 called os._exit(4) at {name}:17); run it under torchrun" in refused.stderr
+
+    pid = run(tmp_path, "--nproc-per-node", "2", name, "pid")
+    assert pid.returncode == 1
+    assert "PID" not in pid.stdout
+    assert (
+        f"took its process id (os.getpid()), which the ranks of one process share at {name}:21); run it under torchrun"
+    ) in pid.stderr
 
 
 def test_ranks_meet_in_a_store_of_their_own_and_rpc_is_refused(tmp_path: Path) -> None:
