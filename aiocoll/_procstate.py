@@ -343,6 +343,12 @@ class ProcessOnly:
         # (one profiling session per process: ranks starting theirs at once crash kineto, and a
         # process's profile would show its backend's events, gloo's, where these ranks have aiocoll's)
         refuse(*_torch.profiler_start(), lambda *args, **kwargs: "started torch's profiler (one per process)")
+        refuse(
+            *_torch.ddp_logging_data(),
+            lambda ddp: (
+                "read DDP's logging data, which describes its group's backend (aiocoll's, not the one asked for)"
+            ),
+        )
         out.append((os, "getpid", ProcessOnly._getpid(os.getpid)))
         refuse(os, "_exit", lambda code=0: f"called os._exit({code})")
         refuse(os, "abort", lambda: "called os.abort()")

@@ -69,6 +69,7 @@ __all__ = [
     "allgather_into",
     "backend_of",
     "check_c10d",
+    "ddp_logging_data",
     "default_group",
     "default_store",
     "drop_mesh_caches",
@@ -321,6 +322,14 @@ def profiler_start() -> tuple[type, str]:
 
     _need(profiler.profile, "_prepare_trace", "torch.autograd.profiler.profile._prepare_trace")
     return profiler.profile, "_prepare_trace"
+
+
+def ddp_logging_data() -> tuple[type, str]:
+    """``(class, method name)`` of what reads DDP's logging data (2.10-2.15): its C++ logger's
+    view of the backend (its name, gloo's threads and transport), which torch's tests check."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    _need(ddp, "_get_ddp_logging_data", "DistributedDataParallel._get_ddp_logging_data")
+    return ddp, "_get_ddp_logging_data"
 
 
 def _install_cuda_guard(ensure_guard: Callable[[], None]) -> None:

@@ -294,6 +294,11 @@ class NeedsProcesses(_Case):
         rpc.shutdown()
         self.assertEqual(got, torch.full((2,), 1.0 + self.rank))
 
+    def test_ddp_logging_data(self) -> None:
+        self.init()
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        self.assertEqual(ddp._get_ddp_logging_data()["backend_name"], "gloo")  # gloo's own, in processes
+
     def test_pid_as_identity(self) -> None:
         with open(f"{self.file_name}.{os.getpid()}", "w") as f:  # each process's own file, in processes
             f.write(str(self.rank))
@@ -813,6 +818,7 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_backend_by_name",
             "test_profiler",
             "test_pid_as_identity",
+            "test_ddp_logging_data",
         )
     assert result.wasSuccessful(), problems(result)
     reasons = dict((t.id().rsplit(".", 1)[1], reason) for t, reason in result.skipped)
@@ -826,7 +832,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
     assert "started torch's profiler (one per process)" in reasons["test_profiler"]
     assert "took its process id (os.getpid()), which the ranks of one process share" in reasons["test_pid_as_identity"]
-    assert len(harness.fallbacks) == 10
+    assert "read DDP's logging data, which describes its group's backend" in reasons["test_ddp_logging_data"]
+    assert len(harness.fallbacks) == 11
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 
