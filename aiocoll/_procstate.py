@@ -11,7 +11,8 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   it, where the last writer wins; it is put back as it was once the test ends.
 - ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
   signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
-  wait for each other inside gloo, an RPC agent, ``logging``'s configuration, a library
+  wait for each other inside gloo, an RPC agent, torch's profiler, the process id taken
+  by the rank's own code, DDP's logging data, ``logging``'s configuration, a library
   known to keep state once per process: ``OnePerProcess``) raise ``NeedsProcess``
   in a rank thread instead of ending, disturbing or hanging the whole test process (or
   configuring it for every rank and the rest of the run); the harness then runs that
