@@ -143,6 +143,7 @@ class RankEnviron:
 
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 # what a class or module gets while harness worlds run: (owner, attribute name, replacement)
 Patch = tuple[object, str, object]
@@ -191,6 +192,14 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     if b.rank is None:
         return contextlib.nullcontext
     return carry(b, rank=b.rank, environ=b.environ, pause=None, stepped_out=None, exits=b.exits, logging=b.logging)
+
+
+def _stand_in(wrapper: F, real: Callable[..., object], name: str) -> F:
+    """``wrapper``, named and documented as ``real`` (which it wraps, ``__wrapped__``), whose place it takes."""
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = real.__doc__
+    wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+    return wrapper
 
 
 def stepped_out() -> AbstractContextManager[None]:
@@ -318,10 +327,7 @@ class ProcessOnly:
                         raise NeedsProcess(rank, why)
                 return real(*args, **kwargs)
 
-            wrapper.__name__ = wrapper.__qualname__ = name
-            wrapper.__doc__ = real.__doc__
-            wrapper.__wrapped__ = real  # type: ignore[attr-defined]
-            out.append((module, name, wrapper))
+            out.append((module, name, _stand_in(wrapper, real, name)))
 
         def to_self(pid: int, sig: int) -> str | None:
             return f"sent signal {sig} to its own process" if pid in (0, os.getpid()) else None
@@ -361,27 +367,25 @@ class ProcessOnly:
         return out
 
     # torch's own tests live among the installed packages, and are a rank's own code
-    TORCH_TESTS = os.path.join(os.path.dirname(dist.__file__), "..", "testing", "_internal", "")
+    TORCH_TESTS = os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), "testing", "_internal", "")
 
     @staticmethod
     def _getpid(real: Callable[[], int]) -> Callable[[], int]:
         """``os.getpid``, refused to a rank's own code: a process id taken as the rank's
         identity (a file named by it) would be every rank's. Libraries (the standard library's
         ``logging``, installed packages) get the real one."""
-        tests = os.path.normpath(ProcessOnly.TORCH_TESTS)
+        libraries = (*RankExit.LIBRARIES, PACKAGE_DIR, "<")  # ("<frozen ...>", "<string>": no file of the rank's)
+        tests = ProcessOnly.TORCH_TESTS
 
         def getpid() -> int:
             rank = _bound.rank
             if rank is not None:
                 where = sys._getframe(1).f_code.co_filename
-                libraries = where.startswith((*RankExit.LIBRARIES, PACKAGE_DIR)) or where.startswith("<")
-                if not libraries or where.startswith(tests):
+                if not where.startswith(libraries) or where.startswith(tests):
                     raise NeedsProcess(rank, "took its process id (os.getpid()), which the ranks of one process share")
             return real()
 
-        getpid.__doc__ = real.__doc__
-        getpid.__wrapped__ = real  # type: ignore[attr-defined]
-        return getpid
+        return _stand_in(getpid, real, "getpid")
 
 
 class OnePerProcess(importlib.abc.MetaPathFinder):
@@ -511,10 +515,7 @@ class Cooperative:
             with stepped_out():
                 return real(store, *args, **kwargs)
 
-        wrapper.__name__ = wrapper.__qualname__ = name
-        wrapper.__doc__ = real.__doc__
-        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
-        return wrapper
+        return _stand_in(wrapper, real, name)
 
     @staticmethod
     def _store_wait(name: str, real: Callable[..., object]) -> Callable[..., object]:
@@ -534,10 +535,7 @@ class Cooperative:
                     pass
             return real(store, *args, **kwargs)
 
-        wrapper.__name__ = wrapper.__qualname__ = name
-        wrapper.__doc__ = real.__doc__
-        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
-        return wrapper
+        return _stand_in(wrapper, real, name)
 
 
 class RankThreads:
