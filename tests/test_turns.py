@@ -412,6 +412,16 @@ def test_sync_ranks_is_checked() -> None:
 # -- the scheduler itself, without spawn ---------------------------------------------------
 
 
+def _take_turns(turns: Turns, rank: Callable[[int], None], size: int) -> None:
+    """Runs ``rank(r)`` for ranks 0 to ``size - 1``, a thread each, taking ``turns`` in rank order."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    turns.start(range(size))
+    for t in threads:
+        t.join(10)
+
+
 def test_turns_hand_over_in_order_and_time_out() -> None:
     turned: list[int] = []
     turns = Turns(2, None, turned.append)
@@ -430,12 +440,7 @@ def test_turns_hand_over_in_order_and_time_out() -> None:
             log.append("1 woke")
         turns.end(r)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    turns.start([0, 1])
-    for t in threads:
-        t.join(10)
+    _take_turns(turns, rank, 2)
     assert log == ["0 runs", "1 runs", "0 timed out", "1 woke"]
     assert turned == [0, 1, 0, 1]
     assert turns.holder is None
@@ -466,12 +471,7 @@ def test_a_rank_stepped_out_lets_the_others_run_then_takes_a_turn_again() -> Non
             log.append("1 ends")
         turns.end(r)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    turns.start([0, 1])
-    for t in threads:
-        t.join(10)
+    _take_turns(turns, rank, 2)
     assert log == ["1 runs", "1 ends", "0 back, holder 0"]
     assert turned == [0, 1, 0]
     assert turns.holder is None
@@ -481,16 +481,13 @@ def test_a_rank_stepped_out_of_an_aborted_world_comes_back_at_once() -> None:
     turns = Turns(1, None, lambda r: None)
     done = threading.Event()
 
-    def rank() -> None:
-        turns.begin(0)
-        with turns.stepped_out(0):
+    def rank(r: int) -> None:
+        turns.begin(r)
+        with turns.stepped_out(r):
             turns.free_all()  # (the world was aborted meanwhile)
         done.set()
 
-    t = threading.Thread(target=rank)
-    t.start()
-    turns.start([0])
-    t.join(10)
+    _take_turns(turns, rank, 1)
     assert done.is_set()
 
 
