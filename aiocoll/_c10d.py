@@ -15,6 +15,7 @@ own state, untouched.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import sys
@@ -28,12 +29,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _procstate, _torch
+from . import _monitored, _procstate, _torch
 from ._belongings import Belongings, Kind
 from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from ._paths import PACKAGE_DIR
+from ._stats import Phase
 from ._work import Site, Work
 
 if TYPE_CHECKING:
@@ -497,9 +499,39 @@ class AiocollProcessGroup(dist.ProcessGroup):
         self._check("barrier", opts)
         return self._work([self._comm.barrier()], [])
 
-    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        """gloo's ``monitored_barrier``: a barrier, waited for (a rank that never comes is reported by the engine)."""
-        self.barrier().wait()
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier`` (see ``_monitored``): rank 0 names the ranks that did not come in ``timeout``.
+
+        ``timeout``: a ``timedelta`` or seconds; None: the group's own timeout, if it was
+        given one, else the world's.
+        """
+        self._check("monitored_barrier", None)
+        if self._on_loop:
+            raise BlockingCallError(
+                f"torch.distributed.monitored_barrier on rank {self._comm.global_rank}: it blocks, and a blocking "
+                "call on the event loop thread would deadlock; use 'await dist.barrier(async_op=True)'"
+            )
+        comm = self._comm
+        world, group = comm._world, comm._group
+        if group.bridge is not None:
+            # other processes run some of its ranks: a plain barrier (a rank that never
+            # comes is reported as for any collective)
+            self.barrier().wait()
+            return
+        if timeout is None:
+            asked = group.own_timeout[0] if group.own_timeout is not None else world.timeout
+        else:
+            asked = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        kept = None if asked is None else asked * world.timeouts.stretch
+        side = _C10dComm(world, world.side_channel(group), comm.rank, threaded=True)
+
+        def gone(peer: int) -> str | None:
+            phase = world.ranks[group.ranks[peer]].phase
+            return None if phase is Phase.RUNNING or phase is Phase.REMOTE else phase.state
+
+        _monitored.monitored_barrier(
+            side, asked, kept, wait_all_ranks, broke=lambda why: world.break_group(group, why), gone=gone
+        )
 
     # point to point: blocking on the loop is caught in Work.wait()
 
@@ -526,9 +558,16 @@ def _create_process_group(opts: DistributedBackendOptions, backend_options: obje
         )
     world = st.world
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-    group = world.named_group(_base_name(str(opts.group_id)), ranks)
+    group = world.named_group(_base_name(str(opts.group_id)), ranks, st.rank)
+    timeout = getattr(opts, "timeout", None)
+    if isinstance(timeout, timedelta) and not _own_default.get():
+        world.timeouts.own(group, timeout.total_seconds())  # (the first of its members tells it)
     comm = _C10dComm(world, group, int(opts.group_rank), threaded=not world.on_loop_thread())
     return AiocollProcessGroup(comm, str(opts.group_id))
+
+
+# set while aiocoll makes a rank's default group itself: that group keeps the world's timeout
+_own_default: contextvars.ContextVar[bool] = contextvars.ContextVar("aiocoll_own_default", default=False)
 
 
 async def settle() -> None:
@@ -599,13 +638,17 @@ class RankSession:
         _torch.use_state(self.state)
         if not self.init:
             return
-        dist.init_process_group(
-            BACKEND,
-            rank=self.st.rank,
-            world_size=self.st.world.size,
-            store=self.store,
-            timeout=timedelta(seconds=self.st.world.timeout or 1800.0),
-        )
+        token = _own_default.set(True)
+        try:
+            dist.init_process_group(
+                BACKEND,
+                rank=self.st.rank,
+                world_size=self.st.world.size,
+                store=self.store,
+                timeout=timedelta(seconds=self.st.world.timeout or 1800.0),
+            )
+        finally:
+            _own_default.reset(token)
         # init_process_group builds the world's {global rank: group rank} map per rank: W
         # entries for each of W ranks, 60 MB at W=1024. torch only reads (or deletes) it,
         # so every rank can share one.

@@ -50,9 +50,11 @@ class Deadlines:
         pending: Callable[[Any], bool],
         expire: Callable[[Any], None],
         run: Callable[..., None],
+        loop_thread: int | None = None,
     ) -> None:
         self._loop = loop
-        self._loop_thread = threading.get_ident()  # made on the loop's thread
+        # the loop's thread: the one making it, unless told (a rank thread may make one)
+        self._loop_thread = threading.get_ident() if loop_thread is None else loop_thread
         self.timeout = timeout
         self._pending = pending
         self._expire = expire

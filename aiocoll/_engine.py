@@ -49,9 +49,11 @@ from ._errors import (
     BlockingCallError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    GroupTimeoutError,
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
+from ._grouptimeouts import GroupTimeouts, refusal, slowdown
 from ._inject import FaultInjector, FaultProbe
 from ._liveness import Liveness
 from ._ops import Call, Recv, Send
@@ -562,14 +564,19 @@ class Group:
     __slots__ = (
         "_children",
         "bridge",
+        "broken",
+        "deadlines",
         "expected",
         "index",
+        "main",
         "name",
         "next_seq",
+        "own_timeout",
         "pending",
         "ranks",
         "recvs",
         "sends",
+        "side",
         "size",
         "world",
     )
@@ -593,6 +600,15 @@ class Group:
         self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, EngineWork]]]] = {}
         self.recvs: dict[tuple[int, int], list[EngineWork]] = {}
         self._children: dict[Hashable, Group] = {}
+        # when its pending ops time out: the world's timeout, or a torch.distributed
+        # group's own (then given as (asked, kept) seconds; see _grouptimeouts)
+        self.deadlines: Deadlines | None = world._deadlines
+        self.own_timeout: tuple[float, float] | None = None
+        self.broken: str | None = None  # why, once its own timeout has broken it
+        # monitored_barrier's channel beside it (``World.side_channel``), and, for that
+        # channel, the group it serves (``self`` for any other group)
+        self.side: Group | None = None
+        self.main: Group = self
 
     @property
     def is_world(self) -> bool:
@@ -630,6 +646,8 @@ class World:
         self.timeout = timeout
         # live and blocked ranks, deadlock detection; before the ranks, which report to it
         self.liveness: Liveness = Liveness(self)
+        # when pending ops time out (before the first group, which takes it)
+        self._deadlines: Deadlines | None = None if timeout is None else self._new_deadlines(timeout)
         self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
         self.hybrid: HybridWorld | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         if hybrid is not None:
@@ -641,9 +659,6 @@ class World:
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
         self.lock: threading.RLock | None = None
-        self._deadlines = (
-            None if timeout is None else Deadlines(loop, timeout, self._still_pending, self._expired, self.locked)
-        )
         # the flight recorder (or a trace), when on, for reports and dumps
         self.recorder = recorder
         self.faults = faults  # faults to inject, when any
@@ -658,14 +673,18 @@ class World:
         self._mismatched: list[Rendezvous] = []
         # groups made through torch.distributed, by (name, ranks); ranks in threads
         # create them concurrently, hence the lock
-        self._named: dict[tuple[str, tuple[int, ...]], Group] = {}
+        self._named: dict[tuple[str, tuple[int, ...], int], Group] = {}
+        self._made: dict[tuple[str, tuple[int, ...], int], int] = {}  # by (name, ranks, rank): how often made
         self._named_lock = threading.Lock()
         # The world's collaborators, one job each (and self.liveness, above). The per-op
         # path reaches theirs through bound methods and a dict kept at hand here.
         # runs ready ops in order, inline or off the loop, and releases their ranks
         self.runner: OpRunner[EngineWork] = OpRunner(self, loop, self.liveness)
         # matches sends with recvs, and times out the unmatched
-        self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self._all_groups, self._deadlines)
+        self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self._all_groups)
+        # the own timeouts of torch.distributed groups, which break a group when they pass
+        local = size if hybrid is None else len(hybrid.local)
+        self.timeouts = GroupTimeouts(timeout, slowdown(local), self._new_deadlines, self.p2p)
         # holds back the works that faults hang or delay
         self.injector: FaultInjector[EngineWork] = FaultInjector(self, loop, timeout)
         self._run = self.runner.run
@@ -725,6 +744,8 @@ class World:
         bridge = work._group.bridge
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
+        elif work._group.broken is not None:
+            work._resolve(exc=GroupTimeoutError(refusal(work._group)))
         elif bridge is not None and (fut := bridge.p2p(work)) is not None:
             self.runner.remote(work, fut)  # the peer is in another process
         elif isinstance(call, Send):
@@ -765,12 +786,16 @@ class World:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
             return
+        if group.broken is not None:
+            work._resolve(exc=GroupTimeoutError(refusal(group)))
+            return
         rdv = group.pending.get(seq)
         if rdv is None:
             rdv = group.pending[seq] = Rendezvous(group, seq)
             sig = rdv.sig = call.signature()
-            if self._deadlines is not None:
-                self._deadlines.add(rdv)
+            deadlines = group.deadlines
+            if deadlines is not None:
+                deadlines.add(rdv)
             if self.probe is not None:
                 rdv.stamp = self.probe.collective(group.name, group.index, seq, sig, group.size)
         else:
@@ -841,6 +866,9 @@ class World:
 
     # -- deadlines, groups ----------------------------------------------------------
 
+    def _new_deadlines(self, seconds: float) -> Deadlines:
+        return Deadlines(self.loop, seconds, self._still_pending, self._expired, self.locked, self.loop_thread)
+
     def _still_pending(self, item: Rendezvous | EngineWork) -> bool:
         """Whether a rendezvous or p2p work the deadlines hold still waits for peers."""
         if isinstance(item, Rendezvous):
@@ -849,18 +877,51 @@ class World:
 
     def _expired(self, item: Rendezvous | EngineWork) -> None:
         if isinstance(item, Rendezvous):
-            self._timed_out(item)
-        else:
+            if item.group.own_timeout is None or item.mismatched:
+                self._timed_out(item)
+            else:
+                self.timeouts.rendezvous_expired(item)
+        elif item._group.own_timeout is None:
             self.p2p.timed_out(item)
+        else:
+            self.timeouts.p2p_expired(item)
 
-    def named_group(self, name: str, ranks: Sequence[int]) -> Group:
-        """The group every rank names ``name`` over ``ranks`` (global), made on first use."""
-        key = (name, tuple(ranks))
+    def named_group(self, name: str, ranks: Sequence[int], rank: int) -> Group:
+        """The group that global ``rank`` makes as ``name`` over ``ranks`` (global), made by the first member.
+
+        A rank that makes a group of the same name and ranks again (torch names groups
+        anew after ``destroy_process_group``) gets a new one, as its peers do: the n-th
+        making of each member meets the n-th of the others.
+        """
+        members = tuple(ranks)
         with self._named_lock:
+            made = self._made.get((name, members, rank), 0)
+            self._made[(name, members, rank)] = made + 1
+            key = (name, members, made)
             g = self._named.get(key)
             if g is None:
-                g = self._named[key] = Group(self, name, key[1])
+                g = self._named[key] = Group(self, name, members)
         return g
+
+    def side_channel(self, group: Group) -> Group:
+        """``group``'s channel for ``monitored_barrier``: its ranks and timeout, sequences and queues of its own."""
+        with self._named_lock:
+            side = group.side
+            if side is None:
+                side = group.side = Group(self, f"{group.name}:monitored_barrier", group.ranks)
+                side.main = group
+                side.deadlines, side.own_timeout, side.broken = group.deadlines, group.own_timeout, group.broken
+        return side
+
+    def break_group(self, group: Group, why: str) -> None:
+        """``group`` timed out in ``monitored_barrier`` (outside the engine): break it, as a timeout does."""
+        if self.lock is not None:
+            with self.lock:
+                self.timeouts.break_group(group, why)
+        elif self.on_loop_thread():
+            self.timeouts.break_group(group, why)
+        else:
+            self.call_soon_threadsafe(self.timeouts.break_group, group, why)
 
     def _all_groups(self) -> list[Group]:
         out, stack = [], [self.group, *list(self._named.values())]
@@ -868,6 +929,8 @@ class World:
             g = stack.pop()
             out.append(g)
             stack.extend(g._children.values())
+            if g.side is not None:
+                stack.append(g.side)
         return out
 
     # -- failure -------------------------------------------------------------------
@@ -906,6 +969,7 @@ class World:
         self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
         if self._deadlines is not None:
             self._deadlines.clear()
+        self.timeouts.clear()
         self.injector.abort(self._aborted_error)
         # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
         # world alive: cancel them, as a task group cancels its other tasks. Deferred by

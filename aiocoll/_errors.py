@@ -8,6 +8,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DeadlockError",
+    "GroupTimeoutError",
     "InvalidArgumentError",
     "TorchCompatError",
     "WorldAbortedError",
@@ -88,6 +89,35 @@ class CollectiveTimeoutError(AiocollError, TimeoutError):
     barrier #0 on group 'world' timed out after 0.05s: ranks [0] arrived, ranks [1] did not:
       rank 0: barrier() at ...
       rank 1: not arrived (running)
+    """
+
+
+class GroupTimeoutError(CollectiveTimeoutError, RuntimeError):
+    """An op of a torch.distributed group outlived the group's own timeout, and the group broke.
+
+    The ``timeout`` given to ``init_process_group`` or ``new_group`` is kept as gloo keeps
+    it: an op still pending after it fails, and the group is unusable from then on for
+    every member (each later op on it raises this error at once), while other groups go
+    on. A ``RuntimeError``, as gloo's errors are, and a ``CollectiveTimeoutError``.
+    The timeout is stretched by the cores the ranks share: see the sync ranks guide.
+
+    >>> import aiocoll, torch, torch.distributed as dist
+    >>> from datetime import timedelta
+    >>> def worker(comm):
+    ...     g = dist.new_group(timeout=timedelta(seconds=0.05))
+    ...     if comm.rank == 0:
+    ...         try:
+    ...             dist.barrier(group=g)  # rank 1 waits in another group
+    ...         except RuntimeError as e:
+    ...             print(type(e).__name__, " Timed out " in str(e))
+    ...     dist.barrier()  # the world's group goes on
+    ...     try:
+    ...         dist.barrier(group=g)
+    ...     except aiocoll.GroupTimeoutError as e:
+    ...         return str(e).split(":")[0]
+    >>> aiocoll.spawn(worker, world=2)
+    GroupTimeoutError True
+    ["group '1' is broken", "group '1' is broken"]
     """
 
 

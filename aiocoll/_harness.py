@@ -45,6 +45,7 @@ from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
 from ._engine import current_rank_state
 from ._errors import WorldAbortedError
+from ._grouptimeouts import slowdown
 from ._outcome import echoes_abort
 from ._paths import PACKAGE_DIR
 from ._watchdog import under_deadline
@@ -102,14 +103,7 @@ class Settings:
         deadlock is reported at once, each wait in a collective has its own timeout):
         only a rank that never stops computing runs into it.
         """
-        return test_timeout * max(1, min(size, _usable_cpus()))
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # (not on every platform)
-        return os.cpu_count() or 1
+        return test_timeout * slowdown(size)
 
 
 def rank_class(cls: type) -> Any:

@@ -3,7 +3,8 @@
 The engine's invariant (see ``_engine``): a Work only completes when some rank makes a
 call, or when an op already under way ends. So once every live rank is blocked and no
 op is in flight, nothing can ever complete: that is a deadlock, reported at once with
-a table of what each rank waits for.
+a table of what each rank waits for. (Unless a rank waits in a torch.distributed group
+with a timeout of its own: the timeout will release it, as gloo's would.)
 
 Each rank keeps its own counts (tasks live, tasks parked: ``RankState``); it tells the
 ``Liveness`` of its world when it becomes live or blocked, which keeps the world's
@@ -38,6 +39,11 @@ class _Members(Protocol):
     @property
     def ranks(self) -> Sequence[int]:
         """The global rank of each group-rank."""
+        ...
+
+    @property
+    def own_timeout(self) -> object:
+        """Whether it has a timeout of its own, which will release its waiters (None: no)."""
         ...
 
 
@@ -110,6 +116,11 @@ class Liveness:
         # (more blocked than live: tasks made out of the engine's sight parked; see below)
         world = self._world
         if self.in_flight or world.aborted is not None or world.explain_stall():
+            return
+        if any(w._group.own_timeout is not None for st in world.ranks for w in st.waiting):
+            # a torch.distributed group's own timeout will release its waiters, which may
+            # then go on (as in gloo, where a program may catch the timeout): not a
+            # deadlock yet; the check runs again once they block again
             return
         # Tasks made out of the engine's sight may be running: count them (which may
         # report the deadlock from within), or leave it to the timeout if they cannot be.

@@ -9,8 +9,9 @@ so that a snapshot of the world shows them; the matcher is the only code that ch
 while the world runs.
 
 A matched pair moves its data at once, or, while an op runs off the loop, after it (the
-world's ops complete in order). An unmatched send or recv times out after the world's
-timeout, which aborts the world.
+world's ops complete in order). An unmatched send or recv times out after its group's
+deadline: the world's timeout, which aborts the world, or a torch.distributed group's own,
+which breaks that group (``_grouptimeouts``; the world decides which, and calls ``give_up``).
 
 Nothing here imports the engine: it knows works, groups and the world through the small
 protocols below, which ``Work``, ``Group`` and ``World`` satisfy.
@@ -55,6 +56,11 @@ class _Queues(Protocol[_T]):
     @property
     def recvs(self) -> dict[tuple[int, int], list[_T]]:
         """Unmatched recvs by (dst, tag), oldest first."""
+        ...
+
+    @property
+    def deadlines(self) -> Deadlines | None:
+        """When its unmatched works time out (None: never)."""
         ...
 
 
@@ -133,19 +139,12 @@ class P2PMatcher(Generic[W]):
     lock); a matched pair completes both works.
     """
 
-    __slots__ = ("_counter", "_deadlines", "_engine", "_groups", "_runner", "waiting")
+    __slots__ = ("_counter", "_engine", "_groups", "_runner", "waiting")
 
-    def __init__(
-        self,
-        engine: _Engine,
-        runner: _Order[W],
-        groups: Callable[[], Sequence[_Queues[W]]],
-        deadlines: Deadlines | None,
-    ) -> None:
+    def __init__(self, engine: _Engine, runner: _Order[W], groups: Callable[[], Sequence[_Queues[W]]]) -> None:
         self._engine = engine
         self._runner = runner
         self._groups = groups  # every group of the world, for a work that must leave its queue
-        self._deadlines = deadlines
         self._counter = itertools.count()  # issue numbers of sends: an any-source recv takes the earliest
         # unmatched sends and recvs that will time out (with deadlines only); the world's
         # deadlines drop those no longer in it
@@ -165,9 +164,10 @@ class P2PMatcher(Generic[W]):
                     return
         q = group.sends.setdefault(key, {}).setdefault(src, deque())
         q.append((next(self._counter), work))
-        if self._deadlines is not None:
+        deadlines = group.deadlines
+        if deadlines is not None:
             self.waiting.add(work)
-            self._deadlines.add(work)
+            deadlines.add(work)
 
     def recv(self, work: W) -> None:
         """Enter a recv: it completes with its source's earliest send, or waits for one."""
@@ -194,9 +194,10 @@ class P2PMatcher(Generic[W]):
                 self._match(group, src, sw, work)
                 return
         group.recvs.setdefault((dst, call.tag), []).append(work)
-        if self._deadlines is not None:
+        deadlines = group.deadlines
+        if deadlines is not None:
             self.waiting.add(work)
-            self._deadlines.add(work)
+            deadlines.add(work)
 
     def _match(self, group: _Queues[W], src: int, sw: W, rw: W) -> None:
         for w in (sw, rw):
@@ -237,22 +238,30 @@ class P2PMatcher(Generic[W]):
 
     def timed_out(self, work: W) -> None:
         """``work`` waited the world's timeout unmatched: fail it and abort the world."""
-        self.waiting.discard(work)
         if work.done():
+            self.waiting.discard(work)
             return
-        assert self._deadlines is not None
+        deadlines = work._group.deadlines
+        assert deadlines is not None
+        err = CollectiveTimeoutError(f"rank {work._rank.rank} waited {deadlines.timeout}s in {self.unmatched(work)}")
+        self.give_up(work, err)
+        self._engine.abort(None, err)
+
+    def unmatched(self, work: W) -> str:
+        """What ``work`` is, and who did not match it (for a timeout's report)."""
         call, g = work._call, work._group
         peer = call.dst if isinstance(call, Send) else call.src
         if peer is None:
             who = "no rank sent to it"
         else:
             who = f"rank {g.ranks[peer]} did not match it ({self._engine.ranks[g.ranks[peer]].status()})"
-        err = CollectiveTimeoutError(
-            f"rank {work._rank.rank} waited {self._deadlines.timeout}s in {work.describe()}; {who}"
-        )
+        return f"{work.describe()}; {who}"
+
+    def give_up(self, work: W, err: BaseException) -> None:
+        """``work`` will never be matched: it leaves its queue and fails with ``err``."""
+        self.waiting.discard(work)
         self._remove(work)
         work._resolve(exc=err)
-        self._engine.abort(None, err)
 
     def _remove(self, work: W) -> None:
         for g in self._groups():

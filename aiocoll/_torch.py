@@ -717,7 +717,9 @@ def patched_c10d(
     saved_barrier = _c10d.monitored_barrier
 
     @functools.wraps(saved_barrier)
-    def monitored_barrier(group: Any = None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> object:
+    def monitored_barrier(
+        group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> object:
         pg = group if group is not None else _c10d._get_default_group() if _c10d.is_initialized() else None
         if pg is not None and is_own(pg):
             return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)

@@ -29,6 +29,7 @@ def test_public_names() -> None:
         "Comm",
         "DeadlockError",
         "Fault",
+        "GroupTimeoutError",
         "InjectedFault",
         "InvalidArgumentError",
         "TorchCompatError",
@@ -59,6 +60,9 @@ def test_exception_hierarchy() -> None:
     for name in ("CollectiveTimeoutError", "CollectiveMismatchError", "InvalidArgumentError", "DeadlockError"):
         assert issubclass(getattr(aiocoll, name), aiocoll.AiocollError)
     assert issubclass(aiocoll.WorldAbortedError, aiocoll.AiocollError)
+    # gloo's timeouts are RuntimeErrors, and torch code catches them so
+    assert issubclass(aiocoll.GroupTimeoutError, aiocoll.CollectiveTimeoutError)
+    assert issubclass(aiocoll.GroupTimeoutError, RuntimeError)
 
 
 @pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._presence"])

@@ -52,6 +52,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 import aiocoll
+import aiocoll._grouptimeouts
 import aiocoll._harness
 import aiocoll._torch
 from aiocoll._c10d import AiocollProcessGroup
@@ -752,7 +753,7 @@ def test_hang_becomes_a_report(harness: ProcessHarnessReplacement, monkeypatch: 
     monkeypatch.setitem(common_distributed.TIMEOUT_OVERRIDE, "test_past_the_timeout", 1)
     # the deadline scales with the cores (up to the 4 ranks): pinned, so that the 2.5 s
     # sleep outlasts it on any machine (with 16 cores it did not: the test passed)
-    monkeypatch.setattr(aiocoll._harness, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(aiocoll._grouptimeouts, "usable_cpus", lambda: 2)
     t0 = time.monotonic()
     failure = _failure_of(run_case(Failures, "test_past_the_timeout"))
     assert time.monotonic() - t0 < 10

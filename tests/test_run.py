@@ -233,6 +233,42 @@ def test_ranks_meet_in_a_store_of_their_own_and_rpc_is_refused(tmp_path: Path) -
     )
 
 
+def test_a_group_s_own_timeout_breaks_it_and_a_new_default_group_starts_afresh(tmp_path: Path) -> None:
+    # gloo's behaviour under torchrun, measured: rank 0's barrier times out after 1 s,
+    # its peers meanwhile meet in another group; after destroy_process_group, a new
+    # default group (the same name, "0") works for every rank
+    name = script(
+        tmp_path,
+        "reinit.py",
+        """
+        import datetime, torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1))
+        rank = dist.get_rank()
+        side = dist.new_group(timeout=datetime.timedelta(seconds=60))
+        if rank == 0:
+            try:
+                dist.barrier()
+            except RuntimeError as e:
+                print("TIMED OUT", " Timed out " in str(e), flush=True)
+        dist.barrier(group=side)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("SUM", rank, t.item(), flush=True)
+        """,
+    )
+    done = run(tmp_path, "--nproc-per-node", "3", name)
+    assert done.returncode == 0, done.stderr
+    assert "TIMED OUT True" in done.stdout
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("SUM")) == [
+        "SUM 0 3.0",
+        "SUM 1 3.0",
+        "SUM 2 3.0",
+    ]
+
+
 def test_a_library_known_to_keep_state_per_process_is_refused(tmp_path: Path) -> None:
     (tmp_path / "lightning").mkdir()  # (a stand-in: the refusal goes by the name)
     (tmp_path / "lightning" / "__init__.py").write_text("raise AssertionError('imported')\n", encoding="utf-8")
