@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.constants as dist_constants
 
 from . import _monitored, _procstate, _torch
 from ._belongings import Belongings, Kind
@@ -560,11 +561,15 @@ def _create_process_group(opts: DistributedBackendOptions, backend_options: obje
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     group = world.named_group(_base_name(str(opts.group_id)), ranks, st.rank)
     timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and not _own_default.get():
+    if isinstance(timeout, timedelta) and timeout not in _TORCH_DEFAULTS and not _own_default.get():
         world.timeouts.own(group, timeout.total_seconds())  # (the first of its members tells it)
     comm = _C10dComm(world, group, int(opts.group_rank), threaded=not world.on_loop_thread())
     return AiocollProcessGroup(comm, str(opts.group_id))
 
+
+# the timeouts torch gives a group when none is asked for (30 min, NCCL's 10): not the
+# user's, so the world's applies (whose deadlocks are reported at once)
+_TORCH_DEFAULTS = {t for t in (dist_constants.default_pg_timeout, dist_constants.default_pg_nccl_timeout) if t}
 
 # set while aiocoll makes a rank's default group itself: that group keeps the world's timeout
 _own_default: contextvars.ContextVar[bool] = contextvars.ContextVar("aiocoll_own_default", default=False)

@@ -786,11 +786,11 @@ class World:
         if self.aborted is not None:
             work._resolve(exc=self._aborted_error())
             return
-        if group.broken is not None:
-            work._resolve(exc=GroupTimeoutError(refusal(group)))
-            return
         rdv = group.pending.get(seq)
         if rdv is None:
+            if group.broken is not None:  # (breaking it failed its pending rendezvous: only first arrivals look)
+                work._resolve(exc=GroupTimeoutError(refusal(group)))
+                return
             rdv = group.pending[seq] = Rendezvous(group, seq)
             sig = rdv.sig = call.signature()
             deadlines = group.deadlines

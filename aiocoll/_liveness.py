@@ -17,6 +17,7 @@ protocols below, which ``RankState``, ``Work`` and ``World`` satisfy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -25,6 +26,8 @@ from ._ops import Recv, Send
 from ._tasks import WorldTasks
 
 __all__ = ["Liveness"]
+
+_log = logging.getLogger("aiocoll")
 
 
 class _Meeting(Protocol):
@@ -56,6 +59,8 @@ class _Waiter(Protocol):
     def _group(self) -> _Members: ...
     @property
     def _call(self) -> object: ...
+    @property
+    def _rank(self) -> _Member: ...
     def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
 
 
@@ -96,7 +101,7 @@ class Liveness:
     ops start and stop being in flight (``OpRunner``).
     """
 
-    __slots__ = ("_world", "blocked", "in_flight", "live")
+    __slots__ = ("_told", "_world", "blocked", "in_flight", "live")
 
     def __init__(self, world: _Engine) -> None:
         self._world = world
@@ -105,6 +110,7 @@ class Liveness:
         # ops under way that will complete with no rank's call (off the loop, queued behind
         # one, in other processes, a release on its way): not a deadlock meanwhile
         self.in_flight = 0
+        self._told: frozenset[int] = frozenset()  # the waits a warning named (see check)
 
     def check(self) -> None:
         """Fail every waiting work with a ``DeadlockError`` and abort, if nothing can complete any more.
@@ -117,10 +123,20 @@ class Liveness:
         world = self._world
         if self.in_flight or world.aborted is not None or world.explain_stall():
             return
-        if any(w._group.own_timeout is not None for st in world.ranks for w in st.waiting):
+        timed = [w for st in world.ranks for w in st.waiting if w._group.own_timeout is not None]
+        if timed:
             # a torch.distributed group's own timeout will release its waiters, which may
             # then go on (as in gloo, where a program may catch the timeout): not a
-            # deadlock yet; the check runs again once they block again
+            # deadlock yet, and the check runs again once they block again. Say so now.
+            told = frozenset(map(id, timed))
+            if told != self._told:
+                self._told = told
+                _log.warning(
+                    "every live rank waits; a group's own timeout will end the wait of %s, which may go on "
+                    "after it (until then this looks like a deadlock):\n%s",
+                    ", ".join(sorted({f"rank {w._rank.rank}" for w in timed})),
+                    self.table(),
+                )
             return
         # Tasks made out of the engine's sight may be running: count them (which may
         # report the deadlock from within), or leave it to the timeout if they cannot be.

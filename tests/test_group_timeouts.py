@@ -9,6 +9,7 @@ rank 0 names the first rank that did not come, the ranks that came get an error.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
+import aiocoll._grouptimeouts
 from aiocoll import Comm
 
 
@@ -83,7 +85,7 @@ def test_a_recv_past_its_group_s_timeout_fails_and_breaks_the_group() -> None:
     assert r1.endswith("timed out on rank 0 (as gloo's, a group is unusable after a timeout)")
 
 
-def test_a_deadlock_in_a_group_with_a_timeout_waits_for_it() -> None:
+def test_a_deadlock_in_a_group_with_a_timeout_waits_for_it(caplog: pytest.LogCaptureFixture) -> None:
     # every rank waits, but the group's timeout will end rank 0's wait, after which it
     # goes on: as in gloo, that is not a deadlock (a program may catch the timeout)
     def fn(comm: Comm) -> bool:
@@ -94,7 +96,25 @@ def test_a_deadlock_in_a_group_with_a_timeout_waits_for_it() -> None:
         dist.barrier()
         return True
 
-    assert aiocoll.spawn(fn, world=2) == [True, True]
+    with caplog.at_level(logging.WARNING, logger="aiocoll"):
+        assert aiocoll.spawn(fn, world=2) == [True, True]
+    # what looked like a deadlock was said at once
+    (told,) = [r.getMessage() for r in caplog.records if "looks like a deadlock" in r.getMessage()]
+    assert told.startswith("every live rank waits; a group's own timeout will end the wait of rank 0, which may go on")
+    assert "rank 1: blocked in barrier() #0 on group '0'" in told
+
+
+def test_torch_s_default_timeout_is_not_a_group_s_own() -> None:
+    # torch fills in 30 minutes when none is asked for: the world's timeout (here: none)
+    # applies, and with it deadlocks reported at once, not after an hour
+    def fn(comm: Comm) -> list[object]:
+        return [
+            dist.new_group(timeout=t)._comm._group.own_timeout  # type: ignore[attr-defined]
+            for t in (None, timedelta(minutes=30), timedelta(seconds=5))
+        ]
+
+    stretch = aiocoll._grouptimeouts.slowdown(2)
+    assert aiocoll.spawn(fn, world=2, timeout=None)[0] == [None, None, (5.0, 5.0 * stretch)]
 
 
 def test_a_real_deadlock_is_still_reported_at_once() -> None:
