@@ -530,9 +530,9 @@ class AiocollProcessGroup(dist.ProcessGroup):
             phase = world.ranks[group.ranks[peer]].phase
             return None if phase is Phase.RUNNING or phase is Phase.REMOTE else phase.state
 
-        _monitored.monitored_barrier(
+        _monitored.MonitoredBarrier(
             side, asked, kept, wait_all_ranks, broke=lambda why: world.break_group(group, why), gone=gone
-        )
+        ).run()
 
     # point to point: blocking on the loop is caught in Work.wait()
 

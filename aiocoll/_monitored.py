@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +27,7 @@ from ._comm import Comm
 from ._errors import CollectiveTimeoutError, GroupTimeoutError
 from ._work import Work
 
-__all__ = ["monitored_barrier"]
+__all__ = ["MonitoredBarrier"]
 
 _log = logging.getLogger("aiocoll")
 
@@ -35,16 +36,9 @@ _NONE_PROCESSED = "No ranks successfully processed in monitoredBarrier."
 _POLL = 0.05  # seconds between rank 0's looks at whether the rank it waits for has left
 
 
-def monitored_barrier(
-    side: Comm,
-    asked: float | None,
-    kept: float | None,
-    wait_all_ranks: bool,
-    *,
-    broke: Callable[[str], None],
-    gone: Callable[[int], str | None],
-) -> None:
-    """Run the barrier as group-rank ``side.rank`` (a rank thread: it blocks).
+@dataclass
+class MonitoredBarrier:
+    """One call of the barrier, as group-rank ``side.rank``; ``run()`` it in the rank's thread (it blocks).
 
     ``asked``: the timeout in seconds the caller gave (for the reports), ``kept``: how
     long rank 0 waits (None: no bound); ``broke(why)`` breaks the group; ``gone(r)``
@@ -62,60 +56,54 @@ def monitored_barrier(
     >>> aiocoll.spawn(worker, world=2)[0]
     ['[Rank 0]: Rank 1 failed to pass monitoredBarrier in 5000 ms', '(rank 1 returned: it will never come)']
     """
-    if side.world_size == 1:
-        return
-    if side.rank != 0:
-        _join(side)
-    else:
-        _Monitor(side, asked, kept, wait_all_ranks, broke, gone).run()
 
-
-def _join(side: Comm) -> None:
-    me = side.rank
-    word = torch.tensor([me])
-    works = [side.send(word, 0, _ARRIVE), side.recv(torch.zeros(1, dtype=word.dtype), 0, _RELEASE)]
-    try:
-        for w in works:
-            w.wait()
-    except GroupTimeoutError as e:  # rank 0 gave up and broke the group (a world's abort goes on up)
-        raise GroupTimeoutError(
-            f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
-            f"send/recv from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: \n{e}"
-        ) from e
-
-
-class _Monitor:
-    """Rank 0's side: take every other rank's word, then answer them all."""
-
-    def __init__(
-        self,
-        side: Comm,
-        asked: float | None,
-        kept: float | None,
-        wait_all_ranks: bool,
-        broke: Callable[[str], None],
-        gone: Callable[[int], str | None],
-    ) -> None:
-        self.side, self.kept, self.wait_all_ranks, self.broke, self.gone = side, kept, wait_all_ranks, broke, gone
-        self.asked = asked
-        self.ms = "unbounded" if asked is None else f"{asked * 1000:.0f} ms"
-        self.start = time.monotonic()
+    side: Comm
+    asked: float | None
+    kept: float | None
+    wait_all_ranks: bool
+    broke: Callable[[str], None]
+    gone: Callable[[int], str | None]
+    start: float = field(default_factory=time.monotonic)
 
     def run(self) -> None:
+        if self.side.world_size == 1:
+            return
+        if self.side.rank != 0:
+            self._join()
+            return
         side = self.side
         peers = range(1, side.world_size)
         word = torch.tensor([0])
-        self.wait_for({peer: side.recv(torch.zeros(1, dtype=word.dtype), peer, _ARRIVE) for peer in peers})
+        self._wait_for({peer: side.recv(torch.zeros(1, dtype=word.dtype), peer, _ARRIVE) for peer in peers})
         # everyone came: let them go, so that all ranks leave the barrier, or none
-        self.wait_for({peer: side.send(word, peer, _RELEASE) for peer in peers})
+        self._wait_for({peer: side.send(word, peer, _RELEASE) for peer in peers})
 
-    def fail(self, message: str, notes: list[str]) -> GroupTimeoutError:
+    @property
+    def _ms(self) -> str:
+        return "unbounded" if self.asked is None else f"{self.asked * 1000:.0f} ms"
+
+    def _join(self) -> None:
+        """A rank other than 0: its word to rank 0, and rank 0's answer."""
+        side, me = self.side, self.side.rank
+        word = torch.tensor([me])
+        works = [side.send(word, 0, _ARRIVE), side.recv(torch.zeros(1, dtype=word.dtype), 0, _RELEASE)]
+        try:
+            for w in works:
+                w.wait()
+        except GroupTimeoutError as e:  # rank 0 gave up and broke the group (a world's abort goes on up)
+            raise GroupTimeoutError(
+                f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
+                f"send/recv from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: \n{e}"
+            ) from e
+
+    def _fail(self, message: str, notes: list[str]) -> GroupTimeoutError:
         self.broke(message)
         if self.kept is not None and self.asked is not None and self.kept != self.asked and not notes:
             notes = [f"aiocoll waited {self.kept * 1000:.0f} ms: the ranks share this process's cores"]
         return GroupTimeoutError("\n".join([message, *(f"({n})" for n in notes)]))
 
-    def wait_for(self, works: dict[int, Work]) -> None:
+    def _wait_for(self, works: dict[int, Work]) -> None:
+        """Rank 0: each peer's work in turn, within the time left (gloo's order and reports)."""
         processed: list[int] = []
         failed: list[int] = []
         notes: list[str] = []
@@ -128,22 +116,22 @@ class _Monitor:
                 if left <= 0:
                     done = ", ".join(map(str, processed))
                     how = f"Successfully processed ranks: {done}" if done else _NONE_PROCESSED
-                    raise self.fail(f"Rank 0 timed out in monitoredBarrier after {self.ms}.\n{how}", [])
-            late = self.late(work, peer, left)
+                    raise self._fail(f"Rank 0 timed out in monitoredBarrier after {self._ms}.\n{how}", [])
+            late = self._late(work, peer, left)
             if late is None:
                 processed.append(peer)
                 continue
             if late:
                 notes.append(f"rank {peer} {late}: it will never come")
             if not self.wait_all_ranks:
-                raise self.fail(f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {self.ms}", notes)
-            _log.error("[Rank 0]: Rank %s failed to pass monitoredBarrier in %s", peer, self.ms)
+                raise self._fail(f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {self._ms}", notes)
+            _log.error("[Rank 0]: Rank %s failed to pass monitoredBarrier in %s", peer, self._ms)
             failed.append(peer)
         if failed:
             ranks = ", ".join(map(str, failed))
-            raise self.fail(f"[Rank 0]: Ranks {ranks} failed to pass monitoredBarrier in {self.ms}", notes)
+            raise self._fail(f"[Rank 0]: Ranks {ranks} failed to pass monitoredBarrier in {self._ms}", notes)
 
-    def late(self, work: Work, peer: int, left: float | None) -> str | None:
+    def _late(self, work: Work, peer: int, left: float | None) -> str | None:
         """None once ``work`` is done in time; else ``""`` (the time ran out) or how ``peer`` left."""
         end = None if left is None else time.monotonic() + left
         while True:
@@ -156,6 +144,6 @@ class _Monitor:
             except CollectiveTimeoutError:
                 if work.done():
                     raise  # the work's own error (the group broke, the world's timeout)
-            left_as = self.gone(peer)
-            if left_as is not None and not work.done():
-                return left_as
+            how = self.gone(peer)
+            if how is not None and not work.done():
+                return how
