@@ -915,13 +915,10 @@ class World:
 
     def break_group(self, group: Group, why: str) -> None:
         """``group`` timed out in ``monitored_barrier`` (outside the engine): break it, as a timeout does."""
-        if self.lock is not None:
-            with self.lock:
-                self.timeouts.break_group(group, why)
-        elif self.on_loop_thread():
-            self.timeouts.break_group(group, why)
-        else:
+        if self.lock is None and not self.on_loop_thread():
             self.call_soon_threadsafe(self.timeouts.break_group, group, why)
+        else:
+            self.locked(self.timeouts.break_group, group, why)
 
     def _all_groups(self) -> list[Group]:
         out, stack = [], [self.group, *list(self._named.values())]

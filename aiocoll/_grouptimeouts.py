@@ -68,19 +68,19 @@ class _Group(Protocol):
     pending: dict[int, Any]
 
     @property
-    def main(self) -> Any:
+    def main(self) -> _Group:
         """The group itself, or, for a side channel, the group it serves."""
         ...
 
     @property
-    def side(self) -> Any:
+    def side(self) -> _Group | None:
         """Its side channel, if one was made."""
         ...
 
 
 class _Rendezvous(Protocol):
     @property
-    def group(self) -> Any: ...
+    def group(self) -> _Group: ...
     @property
     def seq(self) -> int: ...
     @property
