@@ -1004,6 +1004,8 @@ class World:
         A rank that called the wrong collective then waits in its next one; the mismatch
         says more than a deadlock would.
         """
+        # (a broken group's rendezvous failed without leaving this list)
+        self._mismatched = [rdv for rdv in self._mismatched if rdv.pending]
         if not self._mismatched:
             return False
         self._report_mismatch(self._mismatched[0])
