@@ -684,7 +684,7 @@ class World:
         self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self._all_groups)
         # the own timeouts of torch.distributed groups, which break a group when they pass
         local = size if hybrid is None else len(hybrid.local)
-        self.timeouts = GroupTimeouts(timeout, slowdown(local), self._new_deadlines, self.p2p)
+        self.timeouts = GroupTimeouts(timeout, slowdown(local), self._new_deadlines, self.p2p, self.fail_pending)
         # holds back the works that faults hang or delay
         self.injector: FaultInjector[EngineWork] = FaultInjector(self, loop, timeout)
         self._run = self.runner.run
@@ -920,6 +920,15 @@ class World:
         else:
             self.locked(self.timeouts.break_group, group, why)
 
+    def fail_pending(self, group: Group, error: Callable[[], BaseException]) -> None:
+        """Fail what waits in ``group`` (rendezvous, unmatched sends and recvs), each work with its own ``error()``."""
+        for rdv in list(group.pending.values()):
+            for w in rdv.works:
+                if w is not None:
+                    w._resolve(exc=error())
+        group.pending.clear()
+        self.p2p.drop(group, error)
+
     def _all_groups(self) -> list[Group]:
         out, stack = [], [self.group, *list(self._named.values())]
         while stack:
@@ -957,12 +966,7 @@ class World:
         if self.hybrid is not None:
             self.hybrid.aborted(msg, cause)  # tell the other processes, which wait for ours
         for g in self._all_groups():
-            for rdv in list(g.pending.values()):
-                for w in rdv.works:
-                    if w is not None:
-                        w._resolve(exc=self._aborted_error())
-            g.pending.clear()
-            self.p2p.drop(g, self._aborted_error)
+            self.fail_pending(g, self._aborted_error)
         self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
         if self._deadlines is not None:
             self._deadlines.clear()

@@ -96,7 +96,6 @@ class _Rendezvous(Protocol):
 class _Matcher(Protocol):
     def unmatched(self, work: Any) -> str: ...
     def give_up(self, work: Any, err: BaseException) -> None: ...
-    def drop(self, group: Any, error: Callable[[], BaseException]) -> None: ...
 
 
 class GroupTimeouts:
@@ -104,18 +103,25 @@ class GroupTimeouts:
 
     ``world_timeout``: the world's own (None: none), which a group's timeout must undercut
     to matter; ``stretch``: how much longer than asked a group's timeout is kept;
-    ``deadlines(seconds)`` makes the ``Deadlines`` of one length (on the world's loop).
+    ``deadlines(seconds)`` makes the ``Deadlines`` of one length (on the world's loop);
+    ``fail_pending(group, error)`` fails what waits in a group (the world's, as on abort).
     """
 
-    __slots__ = ("_by_length", "_make", "_p2p", "stretch", "world_timeout")
+    __slots__ = ("_by_length", "_fail_pending", "_make", "_p2p", "stretch", "world_timeout")
 
     def __init__(
-        self, world_timeout: float | None, stretch: int, deadlines: Callable[[float], Deadlines], p2p: _Matcher
+        self,
+        world_timeout: float | None,
+        stretch: int,
+        deadlines: Callable[[float], Deadlines],
+        p2p: _Matcher,
+        fail_pending: Callable[[Any, Callable[[], BaseException]], None],
     ) -> None:
         self.world_timeout = world_timeout
         self.stretch = stretch
         self._make = deadlines
         self._p2p = p2p
+        self._fail_pending = fail_pending
         self._by_length: dict[float, Deadlines] = {}
 
     def own(self, group: _Group, seconds: float) -> None:
@@ -177,12 +183,7 @@ class GroupTimeouts:
             def error(g: _Group = g) -> GroupTimeoutError:
                 return GroupTimeoutError(refusal(g))
 
-            for rdv in list(g.pending.values()):
-                for w in rdv.works:
-                    if w is not None:
-                        w._resolve(exc=error())
-            g.pending.clear()
-            self._p2p.drop(g, error)
+            self._fail_pending(g, error)
 
     def clear(self) -> None:
         """The world was aborted: nothing is pending any more."""
