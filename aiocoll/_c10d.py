@@ -84,6 +84,7 @@ def install() -> None:
                     lambda pg: isinstance(pg, AiocollProcessGroup),
                     _store_made,
                     _procstate.stepped_out,
+                    _own_device,
                 )
             )
             _patch = stack
@@ -125,6 +126,12 @@ def _mesh_made(mesh: DeviceMesh) -> int | None:
     belong(st.world, "mesh", mesh)
     # without a per-rank identity, DTensor's caches would hand one rank's mesh to another
     return id(st)
+
+
+def _own_device() -> bool:
+    """The caller is a sync rank: its thread's current CUDA device is its own, as a process's is."""
+    st = current_rank_state()
+    return st is not None and not st.world.on_loop_thread()
 
 
 def _store_made(store: Store) -> None:

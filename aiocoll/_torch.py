@@ -87,6 +87,7 @@ __all__ = [
     "process_harness",
     "profiler_start",
     "python_process_group",
+    "rank_devices",
     "reduce_scatter_into",
     "set_grad_enabled",
     "threaded_harness",
@@ -649,6 +650,84 @@ def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Callable[[], 
     return functools.partial(setattr, mesh_cls, "__init__", saved)
 
 
+class _DeviceChoice(threading.local):
+    """Whether the calling thread chose its CUDA device, as a process does once (a rank's thread is its own)."""
+
+    chosen = False
+
+
+_device_choice = _DeviceChoice()
+
+
+class _RankCuda:
+    """``torch.cuda`` as ``DeviceMesh`` sees it from a sync rank's thread.
+
+    DeviceMesh sets the process's CUDA device (to ``LOCAL_RANK``, else the rank modulo
+    the GPUs) only "if the user has not set it", which it reads as
+    ``torch.cuda.is_initialized()`` (2.10-2.15: ``_setup_world_group_and_device``): a
+    fact of the process. In one process the first rank to touch CUDA initialises it for
+    all, and every other rank would stay on cuda:0. CUDA's current device is per thread,
+    as it is per process under torchrun, so the question goes to the rank: it has set its
+    device if it chose one (``set_device``) or is on a device other than 0.
+    """
+
+    __slots__ = ("_cuda",)
+
+    def __init__(self, cuda: ModuleType) -> None:
+        self._cuda = cuda
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._cuda, name)
+
+    def is_initialized(self) -> bool:
+        cuda = self._cuda
+        # (current_device() would initialise CUDA: asked only once it is)
+        return bool(cuda.is_initialized()) and (_device_choice.chosen or cuda.current_device() != 0)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self._cuda.__name__}>"
+
+
+def rank_devices(own_device: Callable[[], bool]) -> Callable[[], None]:
+    """Let ``DeviceMesh`` set each sync rank's CUDA device as it would a process's; returns the undo.
+
+    ``own_device()`` says whether the caller is a rank with a thread of its own (whose
+    current CUDA device is its own). See ``_RankCuda``; choices are noted through
+    ``torch.cuda.set_device`` and ``torch.accelerator.set_device_index`` from now on.
+    """
+    from torch.distributed import device_mesh
+
+    undo = contextlib.ExitStack()
+
+    def patch(module: object, name: str, value: object) -> None:
+        undo.callback(setattr, module, name, getattr(module, name))
+        setattr(module, name, value)
+
+    real_handle = getattr(device_mesh, "_get_device_handle", None)  # (absent without torch.distributed)
+    if real_handle is not None:
+
+        @functools.wraps(real_handle)
+        def device_handle(device_type: str = "cuda") -> object:
+            handle = real_handle(device_type)
+            return _RankCuda(handle) if handle is torch.cuda and own_device() else handle
+
+        patch(device_mesh, "_get_device_handle", device_handle)
+
+    def noting(real: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(real)
+        def choose(*args: Any, **kwargs: Any) -> None:
+            real(*args, **kwargs)
+            _device_choice.chosen = True
+
+        return choose
+
+    for module, name in ((torch.cuda, "set_device"), (getattr(torch, "accelerator", None), "set_device_index")):
+        real = getattr(module, name, None)
+        if real is not None:
+            patch(module, name, noting(real))
+    return undo.close
+
+
 @contextmanager
 def patched_c10d(
     name_suffix: Callable[[], str | None],
@@ -656,6 +735,7 @@ def patched_c10d(
     is_own: Callable[[dist.ProcessGroup], bool] = lambda pg: False,
     store_made: Callable[[Store], None] = lambda store: None,
     store_making: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    own_device: Callable[[], bool] = lambda: False,
 ) -> Iterator[None]:
     """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
 
@@ -678,6 +758,9 @@ def patched_c10d(
       constructor runs inside ``store_making()`` (a ``TCPStore``'s waits for its clients,
       or for its server).
     - ``init_process_group`` wraps ``sys.excepthook`` per rank; the original comes back.
+    - ``DeviceMesh`` sets a CUDA device for a rank ``own_device()`` (a thread of its own)
+      when that rank has not chosen one, rather than when the process has not
+      initialised CUDA (``rank_devices``).
     - ``monitored_barrier`` on a group ``is_own`` calls the group's own: torch 2.15 first
       asks the group for a CPU backend of its own, which a Python process group does not
       register (it has none: it is its own backend).
@@ -739,6 +822,7 @@ def patched_c10d(
         _c10d._process_group_name = process_group_name
         undo.callback(setattr, _c10d, "_process_group_name", saved_name)
         undo.callback(watch_meshes(mesh_made))
+        undo.callback(rank_devices(own_device))
         meta.WORLD = property(world_get, saved_world_prop.fset)
         undo.callback(setattr, meta, "WORLD", saved_world_prop)
         for cls, real in zip(stores, saved_store_inits, strict=True):

@@ -217,3 +217,58 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
         pytest.skip(f"torchrun's own processes died by a signal twice: {ref.stderr.strip().splitlines()[-3:]}")
     assert ref.returncode == 0, f"torchrun: {ref.stderr}"
     assert printed(ours) == printed(ref)  # the same losses and weights, to the printed digit
+
+
+DEVICES_SCRIPT = r"""
+import json, os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+dist.init_process_group("gloo")
+local = int(os.environ["LOCAL_RANK"])
+if local >= 2:  # ranks 2 and 3 choose a device (one of them cuda:0); 0 and 1 leave it to DeviceMesh
+    torch.cuda.set_device(local - 2)
+# (2-D: a mesh over the whole world on a gloo default group would have torch make a NCCL group,
+# which torch's own CUDA builds try to make even without a GPU)
+init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+t = torch.ones(1)
+dist.all_reduce(t)  # (in one process the other ranks take their turns meanwhile)
+# (one write: torchrun's workers write side by side)
+print("SCRIPT " + json.dumps([dist.get_rank(), local, torch.cuda.current_device(), t.item()]) + "\n", end="")
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_s_cuda_device_is_the_one_torchrun_s_process_gets(tmp_path: Path) -> None:
+    """Point 8 of the ``aiocoll run`` issue through a fake of CUDA's device model (four GPUs).
+
+    The fake (``tests/_fake_devices.py``) is installed at start-up in every Python of
+    both runs; under torchrun each worker process has its own. DeviceMesh sets a device
+    (``LOCAL_RANK``) only where the rank chose none.
+    """
+    from _fake_devices import sitecustomize_dir
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(sitecustomize_dir(tmp_path, 4)), os.environ.get("PYTHONPATH", "")]),
+    }
+    results = {}
+    for name, launcher in LAUNCHERS.items():
+        standalone = ["--standalone"] if name == "torchrun" else []
+        (tmp_path / f"devices_{name}.py").write_text(textwrap.dedent(DEVICES_SCRIPT), encoding="utf-8")
+        proc = subprocess.run(
+            [*launcher, "--nproc-per-node", "4", *standalone, f"devices_{name}.py"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+        results[name] = sorted(
+            json.loads(line.split("SCRIPT ", 1)[1]) for line in proc.stdout.splitlines() if "SCRIPT " in line
+        )
+    assert results["torchrun"] == [[0, 0, 0, 4.0], [1, 1, 1, 4.0], [2, 2, 0, 4.0], [3, 3, 1, 4.0]]
+    assert results["aiocoll"] == results["torchrun"]
