@@ -127,3 +127,16 @@ def test_on_real_gpus_rank_r_works_on_cuda_local_rank(tmp_path: Path, how: str) 
     )
     total = float(n * (n + 1) // 2)
     assert results == [[r, r, r, [total, total]] for r in range(n)]
+
+
+def test_async_ranks_share_their_thread_s_device_so_torch_answers_for_them(devices: FakeDevices) -> None:
+    async def fn(comm: Comm) -> tuple[bool, bool, bool]:
+        # (one thread, one current device: there is nothing per rank to answer)
+        patched = hasattr(device_mesh._get_device_handle, "__wrapped__")  # (the world's patch is in place)
+        return patched, device_mesh._get_device_handle("cuda") is torch.cuda, torch.cuda.is_initialized()
+
+    def sync(comm: Comm) -> bool:
+        return device_mesh._get_device_handle("cuda") is torch.cuda
+
+    assert aiocoll.spawn(fn, world=2) == [(True, True, False)] * 2
+    assert aiocoll.spawn(sync, world=2) == [False, False]  # (a view of torch.cuda of the rank's own)
