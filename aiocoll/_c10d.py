@@ -531,7 +531,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         else:
             asked = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kept = None if asked is None else asked * world.timeouts.stretch
-        side = _C10dComm(world, world.side_channel(group), comm.rank, threaded=True)
+        side = _C10dComm(world, world.groups.side_channel(group), comm.rank, threaded=True)
 
         def gone(peer: int) -> str | None:
             phase = world.ranks[group.ranks[peer]].phase
@@ -566,7 +566,7 @@ def _create_process_group(opts: DistributedBackendOptions, backend_options: obje
         )
     world = st.world
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-    group = world.named_group(_base_name(str(opts.group_id)), ranks, st.rank)
+    group = world.groups.named(_base_name(str(opts.group_id)), ranks, st.rank)
     timeout = getattr(opts, "timeout", None)
     if isinstance(timeout, timedelta) and timeout not in _TORCH_DEFAULTS and not _own_default.get():
         world.timeouts.own(group, timeout.total_seconds())  # (the first of its members tells it)

@@ -3,9 +3,11 @@ and deadlock detection. It knows nothing of what an op does: it only compares ca
 signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
 
 ``World`` owns the groups, the ranks, the loop, the lock and the deadlines; it enters
-works (``post``), joins collectives to their rendezvous, and aborts. The rest is done
-by collaborators it owns, one job each, in their own modules (which do not import
-this one, and see its objects through protocols):
+works (``post``), joins collectives to their rendezvous, and aborts. A group and its
+rendezvous are data (``_groups``: ``Group``, ``Rendezvous``, and ``Groups``, the
+registry that finds a torch.distributed group by name). The rest is done by
+collaborators it owns, one job each, in their own modules (which do not import this
+one, and see its objects through protocols):
 
 - ``_runner.OpRunner``: runs ready ops in order, inline or off the loop, and releases
   their ranks;
@@ -36,8 +38,7 @@ import itertools
 import random
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,7 @@ from ._errors import (
     WorldAbortedError,
 )
 from ._faults import Fault, FaultPlan, OpInfo
+from ._groups import Group, Groups, Rendezvous
 from ._grouptimeouts import GroupTimeouts, refusal, slowdown
 from ._inject import FaultInjector, FaultProbe
 from ._liveness import Liveness
@@ -63,12 +65,12 @@ from ._runner import OpRunner
 from ._stats import Phase, RankStatistics, StateName, Statistics
 from ._tasks import RANK, RankTasks, WorldTasks
 from ._turns import TurnEvent, Turns, not_the_rank_s_thread
-from ._work import Site, Work, fmt_site
+from ._work import Site, Work
 
 if TYPE_CHECKING:
-    from ._hybrid import HybridWorld, PGBridge
+    from ._hybrid import HybridWorld
 
-__all__ = ["EngineWork", "Group", "RankState", "World", "current_rank_state"]
+__all__ = ["EngineWork", "RankState", "World", "current_rank_state"]
 
 
 # seconds a rank thread waits before it reports itself blocked (for deadlock detection)
@@ -515,116 +517,6 @@ class EngineWork(Work):
 # -- groups and rendezvous -----------------------------------------------------------
 
 
-class Rendezvous:
-    """The meeting of a group's ranks at one sequence number."""
-
-    __slots__ = ("arrived", "calls", "group", "mismatched", "seq", "sig", "stamp", "works")
-
-    def __init__(self, group: Group, seq: int) -> None:
-        self.group = group
-        self.seq = seq
-        n = group.size
-        self.calls: list[Any] = [None] * n
-        self.works: list[EngineWork | None] = [None] * n
-        self.arrived = 0
-        self.sig: Hashable = None
-        self.mismatched = False
-        self.stamp: Stamp | None = None
-
-    @property
-    def where(self) -> str:
-        return f"#{self.seq} on group {self.group.name!r}"
-
-    @property
-    def pending(self) -> bool:
-        """Whether it still waits for ranks (it leaves its group's table when it completes or fails)."""
-        return self.group.pending.get(self.seq) is self
-
-    def missing(self) -> list[int]:
-        return [r for r, w in enumerate(self.works) if w is None]
-
-    def table(self) -> str:
-        lines = []
-        for r, w in enumerate(self.works):
-            g = self.group.ranks[r]
-            who = f"rank {r}" if g == r else f"rank {r} (global {g})"
-            if w is None:
-                lines.append(f"  {who}: not arrived ({self.group.world.ranks[g].status()})")
-            else:
-                lines.append(f"  {who}: {w._call.describe()} at {fmt_site(w._site)}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return f"<Rendezvous {self.where} arrived={self.arrived}/{self.group.size}>"
-
-
-class Group:
-    """A set of global ranks that run collectives together, in group-rank order."""
-
-    __slots__ = (
-        "_children",
-        "bridge",
-        "broken",
-        "deadlines",
-        "expected",
-        "index",
-        "main",
-        "name",
-        "next_seq",
-        "own_timeout",
-        "pending",
-        "ranks",
-        "recvs",
-        "sends",
-        "side",
-        "size",
-        "world",
-    )
-
-    def __init__(self, world: World, name: str, ranks: Sequence[int]) -> None:
-        self.world = world
-        self.name = name
-        self.ranks = tuple(ranks)
-        self.index = {g: i for i, g in enumerate(self.ranks)}  # global rank -> group-rank
-        self.size = len(self.ranks)
-        # arrivals that complete a rendezvous here: every member, unless other processes
-        # run some of them (a hybrid world), whose calls the bridge then fetches
-        self.expected = self.size
-        self.bridge: PGBridge | None = None
-        if world.hybrid is not None:
-            world.hybrid.attach(self)
-        self.next_seq = [0] * self.size
-        self.pending: dict[int, Rendezvous] = {}
-        # p2p: unmatched sends by (dst, tag) then src, unmatched recvs by (dst, tag); only
-        # the world's P2PMatcher changes them
-        self.sends: dict[tuple[int, int], dict[int, deque[tuple[int, EngineWork]]]] = {}
-        self.recvs: dict[tuple[int, int], list[EngineWork]] = {}
-        self._children: dict[Hashable, Group] = {}
-        # when its pending ops time out: the world's timeout, or a torch.distributed
-        # group's own (then given as (asked, kept) seconds; see _grouptimeouts)
-        self.deadlines: Deadlines | None = world._deadlines
-        self.own_timeout: tuple[float, float] | None = None
-        self.broken: str | None = None  # why, once its own timeout has broken it
-        # monitored_barrier's channel beside it (``World.side_channel``), and, for that
-        # channel, the group it serves (``self`` for any other group)
-        self.side: Group | None = None
-        self.main: Group = self
-
-    @property
-    def is_world(self) -> bool:
-        return self is self.world.group
-
-    def child(self, key: Hashable, name: str, ranks: Sequence[int]) -> Group:
-        """The sub-group made at ``key``; every member asks, the first creates it."""
-        g = self._children.get(key)
-        if g is None:
-            g = self._children[key] = Group(self.world, name, [self.ranks[r] for r in ranks])
-        return g
-
-    def __repr__(self) -> str:
-        return f"<Group {self.name!r} ranks={list(self.ranks)} pending={len(self.pending)}>"
-
-
 class World:
     """The shared state of all ranks of one ``spawn``."""
 
@@ -647,14 +539,16 @@ class World:
         # live and blocked ranks, deadlock detection; before the ranks, which report to it
         self.liveness: Liveness = Liveness(self)
         # when pending ops time out (before the first group, which takes it)
-        self._deadlines: Deadlines | None = None if timeout is None else self._new_deadlines(timeout)
+        self.deadlines: Deadlines | None = None if timeout is None else self._new_deadlines(timeout)
         self.ranks: list[RankState] = [RankState(self, r) for r in range(size)]
         self.hybrid: HybridWorld | None = hybrid  # other processes run some ranks (see aiocoll._hybrid)
         if hybrid is not None:
             for st in self.ranks:
                 if st.rank not in hybrid.local:
                     st.phase = Phase.REMOTE
-        self.group = Group(self, "world", range(size))
+        # its groups, the world group first (torch.distributed's by name: ranks in threads make them)
+        self.groups = Groups(self, size)
+        self.group = self.groups.world
         self.aborted: WorldAbortedError | None = None
         # sync ranks taking turns run the engine in their threads, under this lock
         self.turns: Turns | None = None
@@ -671,17 +565,12 @@ class World:
         # rendezvous whose calls disagree: reported once every rank has shown its call, or
         # once the ranks missing are stuck elsewhere (explain_stall)
         self._mismatched: list[Rendezvous] = []
-        # groups made through torch.distributed, by (name, ranks); ranks in threads
-        # create them concurrently, hence the lock
-        self._named: dict[tuple[str, tuple[int, ...], int], Group] = {}
-        self._made: dict[tuple[str, tuple[int, ...], int], int] = {}  # by (name, ranks, rank): how often made
-        self._named_lock = threading.Lock()
         # The world's collaborators, one job each (and self.liveness, above). The per-op
         # path reaches theirs through bound methods and a dict kept at hand here.
         # runs ready ops in order, inline or off the loop, and releases their ranks
         self.runner: OpRunner[EngineWork] = OpRunner(self, loop, self.liveness)
         # matches sends with recvs, and times out the unmatched
-        self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self._all_groups)
+        self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self.groups.all)
         # the own timeouts of torch.distributed groups, which break a group when they pass
         local = size if hybrid is None else len(hybrid.local)
         self.timeouts = GroupTimeouts(timeout, slowdown(local), self._new_deadlines, self.p2p, self.fail_pending)
@@ -710,7 +599,7 @@ class World:
 
     def detach_hybrid(self) -> None:
         """The hybrid world closed: its groups' bridges close, and no op goes to other processes any more."""
-        for g in self._all_groups():
+        for g in self.groups.all():
             if g.bridge is not None:
                 g.bridge.close()
             g.bridge = None
@@ -886,33 +775,6 @@ class World:
         else:
             self.timeouts.p2p_expired(item)
 
-    def named_group(self, name: str, ranks: Sequence[int], rank: int) -> Group:
-        """The group that global ``rank`` makes as ``name`` over ``ranks`` (global), made by the first member.
-
-        A rank that makes a group of the same name and ranks again (torch names groups
-        anew after ``destroy_process_group``) gets a new one, as its peers do: the n-th
-        making of each member meets the n-th of the others.
-        """
-        members = tuple(ranks)
-        with self._named_lock:
-            made = self._made.get((name, members, rank), 0)
-            self._made[(name, members, rank)] = made + 1
-            key = (name, members, made)
-            g = self._named.get(key)
-            if g is None:
-                g = self._named[key] = Group(self, name, members)
-        return g
-
-    def side_channel(self, group: Group) -> Group:
-        """``group``'s channel for ``monitored_barrier``: its ranks and timeout, sequences and queues of its own."""
-        with self._named_lock:
-            side = group.side
-            if side is None:
-                side = group.side = Group(self, f"{group.name}:monitored_barrier", group.ranks)
-                side.main = group
-                side.deadlines, side.own_timeout, side.broken = group.deadlines, group.own_timeout, group.broken
-        return side
-
     def break_group(self, group: Group, why: str) -> None:
         """``group`` timed out in ``monitored_barrier`` (outside the engine): break it, as a timeout does."""
         if self.lock is None and not self.on_loop_thread():
@@ -928,16 +790,6 @@ class World:
                     w._resolve(exc=error())
         group.pending.clear()
         self.p2p.drop(group, error)
-
-    def _all_groups(self) -> list[Group]:
-        out, stack = [], [self.group, *list(self._named.values())]
-        while stack:
-            g = stack.pop()
-            out.append(g)
-            stack.extend(g._children.values())
-            if g.side is not None:
-                stack.append(g.side)
-        return out
 
     # -- failure -------------------------------------------------------------------
 
@@ -965,11 +817,11 @@ class World:
         self.aborted.__cause__ = cause
         if self.hybrid is not None:
             self.hybrid.aborted(msg, cause)  # tell the other processes, which wait for ours
-        for g in self._all_groups():
+        for g in self.groups.all():
             self.fail_pending(g, self._aborted_error)
         self.runner.abort(self._aborted_error)  # ops under way release their ranks; queued ones never start
-        if self._deadlines is not None:
-            self._deadlines.clear()
+        if self.deadlines is not None:
+            self.deadlines.clear()
         self.timeouts.clear()
         self.injector.abort(self._aborted_error)
         # Ranks busy elsewhere (sleeping, awaiting a queue) would otherwise keep the
@@ -1029,7 +881,7 @@ class World:
     def pending_works(self) -> list[EngineWork]:
         """Every work still waiting for a peer, collectives first."""
         out: list[EngineWork] = []
-        for g in self._all_groups():
+        for g in self.groups.all():
             out += [w for rdv in g.pending.values() for w in rdv.works if w is not None]
             out += [w for lst in g.recvs.values() for w in lst]
             out += [w for by in g.sends.values() for q in by.values() for _, w in q]
@@ -1037,7 +889,7 @@ class World:
 
     def statistics(self) -> Statistics:
         """A snapshot: rank states, pending collectives and p2p ops."""
-        groups = self._all_groups()
+        groups = self.groups.all()
         return Statistics(
             size=self.size,
             aborted=self.aborted is not None,

@@ -7,8 +7,9 @@ import torch
 from . import _cuda
 from . import _ops as ops
 from ._comm import Comm
-from ._engine import EngineWork, Group, World, current_rank_state
+from ._engine import EngineWork, World, current_rank_state
 from ._errors import AiocollError
+from ._groups import Group
 from ._stats import Statistics
 
 __all__ = ["EngineComm", "rank_generator"]

@@ -288,7 +288,7 @@ def dump_world(world: Any, prefix: str | os.PathLike[str] | None = None) -> list
     if rec is None:
         raise AiocollError("dump_flight_recorder(): the flight recorder is off in this world (spawn(..., record=0))")
     groups: dict[tuple[str, int], GroupInfo] = {}
-    for g in w._all_groups():
+    for g in w.groups.all():
         info = GroupInfo(g.name, "default_pg" if g.is_world else "undefined", g.ranks)
         for r in g.ranks:
             groups[(g.name, r)] = info

@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from . import _device
 from . import _ops as ops
-from ._engine import EngineWork, Group, Rendezvous, World, mismatch_message
+from ._engine import EngineWork, World, mismatch_message
 from ._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
+from ._groups import Group, Rendezvous
 from ._pg import create_group
 from ._pgbytes import all_gather_bytes
 from ._pgissue import Issuer

@@ -9,7 +9,7 @@ all. Rank 0 alone enforces the timeout; when it passes, it raises
 releases the ranks that did come with "Rank 2 successfully reached monitoredBarrier,
 but received errors ...".
 
-The words travel on the group's side channel (``World.side_channel``): no sequence
+The words travel on the group's side channel (``Groups.side_channel``): no sequence
 number of the group is taken, so ranks that skip the barrier stay in step with the
 others, as in gloo, where the barrier is point-to-point traffic.
 """

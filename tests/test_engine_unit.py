@@ -29,8 +29,9 @@ from aiocoll import (
     InjectedFault,
     WorldAbortedError,
 )
-from aiocoll._engine import EngineWork, Group, World
+from aiocoll._engine import EngineWork, World
 from aiocoll._faults import FaultPlan
+from aiocoll._groups import Group
 from aiocoll._inject import FaultProbe
 from aiocoll._ops import AllReduce, Barrier, Recv, Reduction, Send
 from aiocoll._record import Recorder
