@@ -730,7 +730,7 @@ class World:
             # every local member arrived: the bridge fetches the other processes' calls and runs the op
             self.runner.exchange(rdv, bridge.run(rdv))
             return
-        op = type(rdv.calls[0])
+        op = rdv.op()
         problem = op.check(rdv.calls)
         if problem is not None:
             self._fail_rendezvous(rdv, CollectiveMismatchError, f"{problem} ({op.name} {rdv.where}):\n{rdv.table()}")
@@ -749,7 +749,7 @@ class World:
         self._fail_rendezvous(
             rdv,
             CollectiveTimeoutError,
-            f"{type(rdv.calls[arrived[0]]).name} {rdv.where} timed out after {self.timeout}s: "
+            f"{rdv.op().name} {rdv.where} timed out after {self.timeout}s: "
             f"ranks {arrived} arrived, ranks {rdv.missing()} did not:\n{rdv.table()}",
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._work import fmt_site
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ._deadlines import Deadlines
     from ._engine import EngineWork, World
     from ._hybrid import PGBridge
+    from ._ops import Call
     from ._record import Stamp
 
 __all__ = ["Group", "Groups", "Rendezvous"]
@@ -34,7 +35,7 @@ class Rendezvous:
         self.group = group
         self.seq = seq
         n = group.size
-        self.calls: list[Any] = [None] * n
+        self.calls: list[Call | None] = [None] * n
         self.works: list[EngineWork | None] = [None] * n
         self.arrived = 0
         self.sig: Hashable = None
@@ -49,6 +50,10 @@ class Rendezvous:
     def pending(self) -> bool:
         """Whether it still waits for ranks (it leaves its group's table when it completes or fails)."""
         return self.group.pending.get(self.seq) is self
+
+    def op(self) -> type[Call]:
+        """The collective the ranks called (the first arrival's, if they disagree)."""
+        return type(next(c for c in self.calls if c is not None))
 
     def missing(self) -> list[int]:
         return [r for r, w in enumerate(self.works) if w is None]

@@ -18,18 +18,21 @@ engine's groups:
 A world's ranks share this process's cores, where torch's processes each had some, so
 the timeout kept is the one asked for, stretched as a test's deadline is (``slowdown``).
 
-Nothing here imports the engine: it sees groups, rendezvous and works through the
-protocols below.
+Nothing here imports the engine: groups and rendezvous are ``_groups``' data, and the
+p2p matcher is seen through the protocol below.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._deadlines import Deadlines
 from ._errors import GroupTimeoutError
+
+if TYPE_CHECKING:
+    from ._groups import Group, Rendezvous
 
 __all__ = ["GroupTimeouts", "slowdown", "usable_cpus"]
 
@@ -55,44 +58,6 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-class _Work(Protocol):
-    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
-    def describe(self) -> str: ...
-
-
-class _Group(Protocol):
-    name: str
-    broken: str | None
-    deadlines: Deadlines | None
-    own_timeout: tuple[float, float] | None
-    pending: dict[int, Any]
-
-    @property
-    def main(self) -> _Group:
-        """The group itself, or, for a side channel, the group it serves."""
-        ...
-
-    @property
-    def side(self) -> _Group | None:
-        """Its side channel, if one was made."""
-        ...
-
-
-class _Rendezvous(Protocol):
-    @property
-    def group(self) -> _Group: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def where(self) -> str: ...
-    @property
-    def calls(self) -> list[Any]: ...
-    @property
-    def works(self) -> Sequence[_Work | None]: ...
-    def missing(self) -> list[int]: ...
-    def table(self) -> str: ...
-
-
 class _Matcher(Protocol):
     def unmatched(self, work: Any) -> str: ...
     def give_up(self, work: Any, err: BaseException) -> None: ...
@@ -115,7 +80,7 @@ class GroupTimeouts:
         stretch: int,
         deadlines: Callable[[float], Deadlines],
         p2p: _Matcher,
-        fail_pending: Callable[[Any, Callable[[], BaseException]], None],
+        fail_pending: Callable[[Group, Callable[[], BaseException]], None],
     ) -> None:
         self.world_timeout = world_timeout
         self.stretch = stretch
@@ -124,7 +89,7 @@ class GroupTimeouts:
         self._fail_pending = fail_pending
         self._by_length: dict[float, Deadlines] = {}
 
-    def own(self, group: _Group, seconds: float) -> None:
+    def own(self, group: Group, seconds: float) -> None:
         """``group`` (a torch.distributed group) was made with a timeout of ``seconds``."""
         kept = seconds * self.stretch
         if self.world_timeout is not None and kept >= self.world_timeout:
@@ -135,7 +100,7 @@ class GroupTimeouts:
         group.own_timeout = (seconds, kept)
         group.deadlines = deadlines
 
-    def describe(self, group: _Group) -> str:
+    def describe(self, group: Group) -> str:
         """``"1000 ms"``, or with the stretch: ``"1000 ms (kept: 2000 ms, as 2 ranks share the cores)"``."""
         assert group.own_timeout is not None
         asked, kept = group.own_timeout
@@ -143,11 +108,11 @@ class GroupTimeouts:
             return f"{_ms(asked)} ms"
         return f"{_ms(asked)} ms (kept: {_ms(kept)} ms, as {self.stretch} ranks share the cores)"
 
-    def rendezvous_expired(self, rdv: _Rendezvous) -> None:
+    def rendezvous_expired(self, rdv: Rendezvous) -> None:
         """A collective of a group with its own timeout is still pending past it."""
         group = rdv.group
         arrived = [r for r, w in enumerate(rdv.works) if w is not None]
-        what = f"{rdv.calls[arrived[0]].name} {rdv.where}"
+        what = f"{rdv.op().name} {rdv.where}"
         message = (
             f"{what}: Timed out waiting {self.describe(group)}: ranks {arrived} arrived, "
             f"ranks {rdv.missing()} did not; the group is broken for every member from now on, "
@@ -172,7 +137,7 @@ class GroupTimeouts:
         )
         self.break_group(group, f"{work.describe()} timed out on rank {work._rank.rank}")
 
-    def break_group(self, group: _Group, why: str) -> None:
+    def break_group(self, group: Group, why: str) -> None:
         """``group`` (and its side channel) can no longer be used: fail what waits in it, and what comes."""
         main = group.main
         for g in (main, main.side):
@@ -180,7 +145,7 @@ class GroupTimeouts:
                 continue
             g.broken = why
 
-            def error(g: _Group = g) -> GroupTimeoutError:
+            def error(g: Group = g) -> GroupTimeoutError:
                 return GroupTimeoutError(refusal(g))
 
             self._fail_pending(g, error)
@@ -194,7 +159,7 @@ class GroupTimeouts:
         return f"<GroupTimeouts lengths={sorted(self._by_length)} stretch={self.stretch}>"
 
 
-def refusal(group: _Group) -> str:
+def refusal(group: Group) -> str:
     """Why an op of the broken ``group`` fails."""
     return f"group {group.name!r} is broken: {group.broken} (as gloo's, a group is unusable after a timeout)"
 

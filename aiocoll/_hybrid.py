@@ -323,7 +323,7 @@ class PGBridge:
             payload = _dumps(mine)
         except Exception as e:  # e.g. a tensor subclass that cannot travel
             raise InvalidArgumentError(
-                f"{rdv.calls[mine[0][0]].name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
+                f"{rdv.op().name} {rdv.where}: the calls cannot be sent to the other processes: {e}"
             ) from e
         waiting: asyncio.Future[object] = self.group.world.loop.create_future()  # done when the exchange is
         self.hybrid.watch(waiting, self.procs)
@@ -334,7 +334,7 @@ class PGBridge:
             named = await self.hybrid.name_gone(self.procs, e)
             if named is not None:
                 raise named from e
-            raise self.issuer.error(f"{rdv.calls[mine[0][0]].name} {rdv.where}", e) from e
+            raise self.issuer.error(f"{rdv.op().name} {rdv.where}", e) from e
         finally:
             waiting.set_result(None)
         calls: list[Any] = list(rdv.calls)

@@ -153,6 +153,11 @@ class Call(Protocol):
         """Bytes this call moves; the engine uses it to pick where to run the op."""
         ...
 
+    @staticmethod
+    def check(calls: Sequence[Any]) -> str | None:
+        """Cross-rank consistency beyond the signature (of every rank's call); a problem or None."""
+        ...
+
 
 class _Base:
     __slots__ = ()

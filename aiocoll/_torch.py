@@ -715,7 +715,7 @@ def rank_devices(own_device: Callable[[], bool]) -> Callable[[], None]:
 
     def noting(real: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(real)
-        def choose(*args: Any, **kwargs: Any) -> None:
+        def choose(*args: object, **kwargs: object) -> None:
             real(*args, **kwargs)
             _device_choice.chosen = True
 
