@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _c10d, _harness, _torch
+from . import _c10d, _continuous, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
@@ -544,7 +544,7 @@ def _spawn_continuous(cls: Any, world_size: int) -> None:
     if replacement is None:
         _process_saved["continuous"].__func__(cls, world_size)
         return
-    ranks = _harness.ContinuousRanks(
+    ranks = _continuous.ContinuousRanks(
         cls, int(world_size), replacement.settings, replacement.fallbacks, _process_saved["continuous"].__func__
     )
     cls.rdvz_file = ranks.rdvz_file
