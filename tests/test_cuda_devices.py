@@ -24,13 +24,17 @@ from torch.distributed import device_mesh
 from torch.distributed.device_mesh import init_device_mesh
 
 import aiocoll
-from aiocoll import Comm
+from aiocoll import Comm, _torch
 
 WORLD = 4
 
 
 @pytest.fixture
 def devices(monkeypatch: pytest.MonkeyPatch) -> FakeDevices:
+    # What aiocoll does once per process, on what torch says of CUDA, is done before the
+    # fake says otherwise: done under it, torch 2.10's no-op CUDA guard would be left out
+    # for the rest of the process (and a later world's DTensor ranks crash installing it).
+    _torch.prepare_for_rank_threads()
     fake = FakeDevices(WORLD)
     fake.install(monkeypatch.setattr)
     return fake
