@@ -52,7 +52,7 @@ class Rendezvous:
         return self.group.pending.get(self.seq) is self
 
     def op(self) -> type[Call]:
-        """The collective the ranks called (the first arrival's, if they disagree)."""
+        """The collective the ranks called (the lowest arrived rank's, if they disagree)."""
         return type(next(c for c in self.calls if c is not None))
 
     def missing(self) -> list[int]:
