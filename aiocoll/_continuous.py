@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _procstate, _torch, _watchdog
-from ._engine import current_rank_state
+from ._engine import RankState, current_rank_state
 from ._harness import GRACE, FakeProcess, InProcessWorld, Settings, exit_code, pause, rank_class
 from ._outcome import echoes_abort
 from ._watchdog import under_deadline
@@ -45,7 +45,7 @@ class _Tasks:
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()  # (appended by the main thread, taken by the rank's)
-        self._idle: Any = None  # the rank's RankState while it waits for a test
+        self._idle: RankState | None = None  # the rank's state while it waits for a test
 
     def put(self, item: Any) -> None:
         self._items.append(item)

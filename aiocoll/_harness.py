@@ -41,11 +41,12 @@ from ._c10d import BACKEND
 from ._comm import Comm
 from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
-from ._engine import current_rank_state
+from ._engine import World, current_rank_state
 from ._errors import WorldAbortedError
 from ._grouptimeouts import slowdown
 from ._outcome import echoes_abort
 from ._paths import PACKAGE_DIR
+from ._stats import RankStatistics
 from ._watchdog import under_deadline
 from ._worldthread import WorldThread
 
@@ -265,7 +266,7 @@ class InProcessWorld:
         self.name = name  # the test's id, in the watchdog's report
         self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
         self._needs: _procstate.NeedsProcess | None = None
-        self._engine: Any = None  # the aiocoll World, once a rank runs
+        self._engine: World | None = None  # the aiocoll World, once a rank runs
         self._wt: WorldThread[Any] | None = None
         self._environ: dict[str, str] = {}
         self._started = 0.0
@@ -391,26 +392,29 @@ class InProcessWorld:
         """Where each rank still running is now: its stack from its own code in, and its state."""
         assert self._wt is not None
         stacks = {r: _outside_aiocoll(traceback.extract_stack(f)) for r, f in self._wt.rank_frames().items()}
-        try:
-            stats = {r.rank: r for r in self._engine.statistics().ranks}
-        except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
-            stats = {}
+        stats = self._rank_statistics()
         out = {}
         for r, stack in sorted(stacks.items()):
             st = stats.get(r)
-            state = "running" if st is None else st.state
+            state: str = "running" if st is None else st.state
             if st is not None and st.state == "blocked" and st.waiting:
                 state = f"waiting in {', '.join(st.waiting)}"
             out[r] = RankPlace(r, stack, state)
         return out
 
+    def _rank_statistics(self) -> dict[int, RankStatistics]:
+        """Each rank's state now, by rank; none before a rank ran."""
+        if self._engine is None:
+            return {}
+        try:
+            return {r.rank: r for r in self._engine.statistics().ranks}
+        except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
+            return {}
+
     def _busy(self, wt: WorldThread[Any]) -> dict[int, str]:
         """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""
         stacks = {r: traceback.extract_stack(f) for r, f in wt.rank_frames().items()}
-        try:
-            states = {r.rank: r.state for r in self._engine.statistics().ranks}
-        except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
-            states = {}
+        states = {r: st.state for r, st in self._rank_statistics().items()}
         busy = {r: st for r, st in stacks.items() if states.get(r, "running") == "running"}
         return {r: "".join(traceback.format_list(_outside_aiocoll(st))) for r, st in (busy or stacks).items()}
 
@@ -473,7 +477,7 @@ def _forget_locals(error: BaseException) -> None:
             todo += e.exceptions
 
 
-def _raise_if_aborted(world: Any) -> None:
+def _raise_if_aborted(world: World) -> None:
     aborted = world.aborted
     if aborted is not None:
         err = WorldAbortedError(str(aborted), rank=aborted.rank)
