@@ -61,13 +61,22 @@ if __name__ == "__main__":
 _RUN_SPECIFIC = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
 
 
-def _launch(launcher: list[str], tmp: Path, options: list[str], args: list[str]) -> tuple[int, list[str], list[str]]:
+def _launch(
+    launcher: list[str],
+    tmp: Path,
+    options: list[str],
+    args: list[str],
+    *,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+) -> tuple[int, list[str], list[str]]:
     logs = tmp / "logs"
     # --standalone: torchrun picks a free port (without it, torch 2.10's takes 29500, and runs side by side clash)
     standalone = [] if "--master-port" in options else ["--standalone"]
     proc = subprocess.run(
-        [*launcher, "--nproc-per-node", "2", *standalone, "--log-dir", str(logs), *options, "script.py", *args],
+        [*launcher, "--nproc-per-node", str(nproc), *standalone, "--log-dir", str(logs), *options, "script.py", *args],
         cwd=tmp,
+        env=env,
         capture_output=True,
         text=True,
         timeout=180,
@@ -84,13 +93,13 @@ LAUNCHERS = {
 }
 
 
-def _both(tmp_path: Path) -> list[tuple[str, list[str], Path]]:
-    """Each launcher with a directory of its own holding ``SCRIPT`` as ``script.py``."""
+def _both(tmp_path: Path, script: str = SCRIPT) -> list[tuple[str, list[str], Path]]:
+    """Each launcher with a directory of its own holding ``script`` as ``script.py``."""
     out = []
     for name, launcher in LAUNCHERS.items():
         tmp = tmp_path / name
         tmp.mkdir()
-        (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
+        (tmp / "script.py").write_text(textwrap.dedent(script), encoding="utf-8")
         out.append((name, launcher, tmp))
     return out
 
@@ -254,21 +263,9 @@ def test_each_rank_s_cuda_device_is_the_one_torchrun_s_process_gets(tmp_path: Pa
         "PYTHONPATH": os.pathsep.join([str(sitecustomize_dir(tmp_path, 4)), os.environ.get("PYTHONPATH", "")]),
     }
     results = {}
-    for name, launcher in LAUNCHERS.items():
-        standalone = ["--standalone"] if name == "torchrun" else []
-        (tmp_path / f"devices_{name}.py").write_text(textwrap.dedent(DEVICES_SCRIPT), encoding="utf-8")
-        proc = subprocess.run(
-            [*launcher, "--nproc-per-node", "4", *standalone, f"devices_{name}.py"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
-        assert proc.returncode == 0, f"{name}: {proc.stderr}"
-        results[name] = sorted(
-            json.loads(line.split("SCRIPT ", 1)[1]) for line in proc.stdout.splitlines() if "SCRIPT " in line
-        )
+    for name, launcher, tmp in _both(tmp_path, DEVICES_SCRIPT):
+        code, out, err = _launch(launcher, tmp, [], [], nproc=4, env=env)
+        assert code == 0, f"{name}: {err}"
+        results[name] = sorted(json.loads(line.split("SCRIPT ", 1)[1]) for line in out)
     assert results["torchrun"] == [[0, 0, 0, 4.0], [1, 1, 1, 4.0], [2, 2, 0, 4.0], [3, 3, 1, 4.0]]
     assert results["aiocoll"] == results["torchrun"]
