@@ -220,9 +220,11 @@ class AiocollWork(dist.Work):
             if len(self._works) == 1:
                 self._future = self._works[0].torch_future(self._value)
             else:
+                # each sub-future fails in C++ when its work fails, and so (at the first) does
+                # collect_all's: the callback only runs when every work succeeded
                 futs = [w.torch_future(None) for w in self._works]
                 value = self._value
-                self._future = torch.futures.collect_all(futs).then(lambda f: _all_ok(f, value))
+                self._future = torch.futures.collect_all(futs).then(lambda _: value)
         return self._future
 
     def _source_rank(self) -> int:
@@ -240,12 +242,6 @@ class AiocollWork(dist.Work):
 
     def __repr__(self) -> str:
         return f"<AiocollWork {self._works!r}>"
-
-
-def _all_ok(f: torch.futures.Future[list[torch.futures.Future[object]]], value: Tensors) -> Tensors:
-    for sub in f.value():
-        sub.value()  # raises the first error
-    return value
 
 
 # -- the process group -------------------------------------------------------------------

@@ -65,7 +65,7 @@ from ._runner import OpRunner
 from ._stats import Phase, RankStatistics, StateName, Statistics
 from ._tasks import RANK, RankTasks, WorldTasks
 from ._turns import TurnEvent, Turns, not_the_rank_s_thread
-from ._work import Site, Work
+from ._work import SentToTorch, Site, TorchFutures, Work, cancelled_error
 
 if TYPE_CHECKING:
     from ._hybrid import HybridWorld
@@ -292,17 +292,6 @@ class RankState:
 
 # -- Work ----------------------------------------------------------------------------
 
-# Guards the hand-over of torch futures between a thread asking for one and the loop
-# completing the work; taken only on that (rare) path.
-_tfut_lock = threading.Lock()
-
-
-def _complete_tfut(tf: torch.futures.Future[Any], value: Any, exc: BaseException | None) -> None:
-    if exc is None:
-        tf.set_result(value)
-    else:
-        tf.set_exception(exc)
-
 
 class EngineWork(Work):
     """A ``Work`` on the in-process engine: one rank's share of a rendezvous, or a send or recv.
@@ -345,7 +334,7 @@ class EngineWork(Work):
                 self._event = TurnEvent(turns, self._rank.rank)
             else:  # ranks that run at once, or a thread the rank started (it takes no turns)
                 self._event = _Latch()
-        self._tfuts: list[tuple[torch.futures.Future[Any], Any]] | None = None
+        self._tfuts: TorchFutures | None = None  # once torch asked for futures (get_future)
         self._stamp: Stamp | None = None  # its timing, when the world records
         # for a call on CUDA tensors: where its inputs are ready, and once enqueued its op's
         # done event (set by EngineComm._join in the caller's thread, whose streams it reads)
@@ -375,7 +364,10 @@ class EngineWork(Work):
                 # The engine only ever sets results or errors: a cancelled future means
                 # the awaiting task was cancelled while the op was still pending.
                 if fut.cancelled():
-                    self._rank.world._cancelled(self)
+                    world = self._rank.world
+                    world._cancelled(self)
+                    if self._tfuts is not None:  # (the abort fails them, unless the world was aborted already)
+                        self._fail_tfuts(world._aborted_error())
                 raise
             finally:
                 self._unpark()
@@ -397,6 +389,9 @@ class EngineWork(Work):
 
     def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None:
         if self._fut.done():
+            if exc is not None and self._tfuts is not None and self._fut.cancelled():
+                # its awaiting task was cancelled: torch's futures still fail, as the world aborts
+                self._fail_tfuts(exc)
             return
         # Unpark first: a rank whose wait is satisfied is runnable from now on.
         self._unpark()
@@ -413,10 +408,10 @@ class EngineWork(Work):
         if stamp is not None and exc is not None:
             stamp.failed(exc)  # (successes are stamped once per collective, in _complete)
         if self._tfuts is not None:
-            with _tfut_lock:
-                tfuts, self._tfuts = self._tfuts, []
-            for tf, value in tfuts:
-                _complete_tfut(tf, value, exc)
+            if exc is None:
+                self._tfuts.settle(None)
+            else:
+                self._fail_tfuts(exc)
         if self._event is not None:
             self._event.set()
 
@@ -502,16 +497,34 @@ class EngineWork(Work):
         # callbacks may only be added on the loop's thread), and C++ callers block on them
         # while ranks take turns, when no loop turn may come to run a callback. The engine
         # completes them itself, in _resolve.
-        tf: torch.futures.Future[Any] = torch.futures.Future()
-        with _tfut_lock:
-            pending = not self._fut.done()
-            if pending:
-                if self._tfuts is None:
-                    self._tfuts = []
-                self._tfuts.append((tf, value))
-        if not pending:
-            _complete_tfut(tf, value, self._fut.exception())
+        futs = self._tfuts
+        if futs is None:
+            with _tfuts_lock:  # (two threads of one rank may ask at once)
+                futs = self._tfuts
+                if futs is None:
+                    futs = self._tfuts = TorchFutures()
+        tf = futs.add(value)
+        fut = self._fut
+        if fut.done() and not futs.settled:  # done before torch asked: settle now
+            if fut.cancelled():
+                self._fail_tfuts(cancelled_error(self.describe()))
+            elif (exc := fut.exception()) is not None:
+                self._fail_tfuts(exc)
+            else:
+                futs.settle(None)
         return tf
+
+    def _fail_tfuts(self, exc: BaseException) -> None:
+        """Fail the torch futures handed out, noting the error for the world's report (``SentToTorch``)."""
+        assert self._tfuts is not None
+        if not self._tfuts.settled:
+            self._rank.world.sent_to_torch.add(exc)
+            self._tfuts.settle(exc)
+
+
+# Guards the making of a work's torch futures, which rank threads ask for (rarely) while the
+# loop may settle them.
+_tfuts_lock = threading.Lock()
 
 
 # -- the world ------------------------------------------------------------------------
@@ -555,6 +568,7 @@ class World:
         self.lock: threading.RLock | None = None
         # the flight recorder (or a trace), when on, for reports and dumps
         self.recorder = recorder
+        self.sent_to_torch = SentToTorch()  # errors torch got through futures, for the report
         self.faults = faults  # faults to inject, when any
         # what the engine tells of each op, and asks whether a fault hits it: the recorder,
         # or the faults telling the recorder

@@ -15,7 +15,7 @@ from ._errors import WorldAbortedError
 if TYPE_CHECKING:
     from ._engine import EngineWork, RankState, World
 
-__all__ = ["Outcome", "echoes_abort", "warn_unmatched"]
+__all__ = ["Outcome", "echoes_abort", "sees_through", "warn_unmatched"]
 
 
 class Outcome:
@@ -35,7 +35,13 @@ class Outcome:
         return f"<Outcome of a world of {self.world.size}: {len(self.failures)} rank(s) failed>"
 
     def failed(self, st: RankState, e: BaseException) -> None:
-        """On the loop: rank ``st`` ended with ``e``; a root cause aborts the world."""
+        """On the loop: rank ``st`` ended with ``e``; a root cause aborts the world.
+
+        An error torch's C++ raised for one of aiocoll's (DDP's ``backward()``, which
+        reads a failed future: a ``RuntimeError`` holding its text) gets that error as
+        its ``__cause__``: the report then tells an abort's echo from a root cause.
+        """
+        sees_through(self.world, e)
         st.failed(e)
         self.failures.append((st.rank, e))
         if not self.is_echo(e):
@@ -84,6 +90,18 @@ class Outcome:
         for n in notes:
             exc.add_note(n)
         return exc
+
+
+def sees_through(world: World, e: BaseException) -> None:
+    """If torch raised ``e`` (or what it came from) for an error of ``world``'s works: that error as its cause."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if cur.__cause__ is None and (sent := world.sent_to_torch.find(cur)) is not None and sent is not cur:
+            cur.__cause__ = sent
+            return
+        cur = cur.__cause__ or cur.__context__
 
 
 def echoes_abort(e: BaseException) -> bool:

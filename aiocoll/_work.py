@@ -7,6 +7,11 @@ blocks on it (``wait``) and where it stands in its group (``_where``):
 
 - ``_engine.EngineWork``: a rank's share of a rendezvous on the in-process engine;
 - ``_pg.PGWork``: an op issued on a real torch.distributed process group.
+
+It also holds how a work's outcome reaches torch's C++ (``TorchFutures``): torch's own
+``Future.set_exception`` is Python-only (the future *succeeds*, with the exception as its
+value, and DDP's reducer, reading tensors out of it, crashed the process). A future made
+by ``then`` fails in C++ when its callback raises, as gloo's futures do.
 """
 
 from __future__ import annotations
@@ -14,16 +19,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import sys
+import threading
 from collections.abc import Generator
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._errors import WorldAbortedError
+
 if TYPE_CHECKING:
     from ._ops import Call
 
-__all__ = ["Site", "Work", "call_site", "fmt_site"]
+__all__ = ["SentToTorch", "Site", "TorchFutures", "Work", "call_site", "fmt_site"]
 
 Site = tuple[str, int]
 """File and line: where a rank issued an op."""
@@ -93,20 +101,17 @@ class Work(abc.ABC):
         """
 
     def torch_future(self, value: Any) -> torch.futures.Future[Any]:
-        """A torch Future completed with ``value`` (or the op's error) when this work completes.
+        """A torch Future completed with ``value`` when this work completes, failed (in C++ too) when it fails.
 
         What the torch.distributed adapter hands out as ``get_future()``::
 
             fut = work.torch_future([t])
         """
-        tf: torch.futures.Future[Any] = torch.futures.Future()
+        futs = TorchFutures()
+        tf = futs.add(value)
 
         def done(f: asyncio.Future[Any]) -> None:
-            exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
-            if exc is None:
-                tf.set_result(value)
-            else:
-                tf.set_exception(exc)
+            futs.settle(cancelled_error(self.describe()) if f.cancelled() else f.exception())
 
         self._fut.add_done_callback(done)
         return tf
@@ -155,3 +160,152 @@ class Work(abc.ABC):
     def __repr__(self) -> str:
         state = "done" if self._fut.done() else "pending"
         return f"<Work rank={self._owner} {self._call.describe()} {self._where} {state}>"
+
+
+# -- torch futures ---------------------------------------------------------------------
+
+
+class _Failed:
+    """What the source of a handed-out torch future carries when its work failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _unwrap(source: torch.futures.Future[Any]) -> Any:
+    """The callback between a source future and the one torch gets: raising here fails it in C++."""
+    value = source.value()
+    if type(value) is _Failed:
+        err = value.error
+        tb = err.__traceback__
+        try:
+            raise err
+        finally:
+            # the error, as its rank sees it when it awaits the work, keeps its own traceback
+            err.__traceback__ = tb
+    return value
+
+
+def cancelled_error(what: str) -> Exception:
+    """The error a cancelled work's torch futures fail with (a cancellation is no ``Exception``)."""
+    err = WorldAbortedError(f"{what} was cancelled")
+    err.__cause__ = asyncio.CancelledError()
+    return err
+
+
+class TorchFutures:
+    """The torch Futures handed out for one work: completed with their values, or failed as C++ sees failures.
+
+    ``add`` hands out a future from any thread; ``settle`` completes every one handed
+    out so far, and the later ones at once. A failed future raises in C++ callers
+    (DDP's reducer: ``backward()`` raises) and in ``fut.wait()``, as a ``RuntimeError``
+    whose text carries the work's error (torch's wording: "Got the following error when
+    running the callback: <type>: <message>"); ``SentToTorch`` finds the error again.
+
+    >>> import torch
+    >>> futs = TorchFutures()
+    >>> fut = futs.add([torch.ones(1)])
+    >>> futs.settle(ValueError("no"))
+    >>> try:
+    ...     fut.wait()
+    ... except RuntimeError as e:
+    ...     print(str(e).splitlines()[0])
+    Got the following error when running the callback: ValueError: no
+    """
+
+    __slots__ = ("_lock", "_outcome", "_pending")
+
+    def __init__(self) -> None:
+        # futures are asked for in rank threads and settled on the loop's thread
+        self._lock = threading.Lock()
+        self._pending: list[tuple[torch.futures.Future[Any], Any]] = []
+        self._outcome: tuple[Exception | None] | None = None  # once settled: (its error or None,)
+
+    def add(self, value: Any) -> torch.futures.Future[Any]:
+        """A future completed with ``value``, or failed with the work's error."""
+        source: torch.futures.Future[Any] = torch.futures.Future()
+        handed: torch.futures.Future[Any] = source.then(_unwrap)
+        with self._lock:
+            outcome = self._outcome
+            if outcome is None:
+                self._pending.append((source, value))
+        if outcome is not None:
+            _complete(source, value, outcome[0])
+        return handed
+
+    def settle(self, exc: BaseException | None) -> None:
+        """The work is done (``exc`` None) or failed: complete the futures, now and to come. Once only."""
+        err = None if exc is None else exc if isinstance(exc, Exception) else _as_exception(exc)
+        with self._lock:
+            if self._outcome is not None:
+                return
+            self._outcome = (err,)
+            pending, self._pending = self._pending, []
+        for source, value in pending:
+            _complete(source, value, err)
+
+    @property
+    def settled(self) -> bool:
+        return self._outcome is not None
+
+    def __repr__(self) -> str:
+        state = "pending" if self._outcome is None else "ok" if self._outcome[0] is None else "failed"
+        return f"<TorchFutures {state}, {len(self._pending)} waiting>"
+
+
+def _as_exception(exc: BaseException) -> Exception:
+    """An ``Exception`` for a work that ended with a cancellation or an exit: only those can fail a future."""
+    if isinstance(exc, asyncio.CancelledError):
+        return cancelled_error("the work")
+    err = WorldAbortedError(f"the work ended with {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _complete(source: torch.futures.Future[Any], value: Any, err: Exception | None) -> None:
+    source.set_result(value if err is None else _Failed(err))
+
+
+_CALLBACK_ERROR = "Got the following error when running the callback: "
+
+
+class SentToTorch:
+    """The errors a world's works failed torch futures with, to find them in what torch raises.
+
+    Through DDP's reducer an error reaches the rank as a ``RuntimeError`` holding its text
+    (``TorchFutures``); ``find`` gives back the error itself, so that a report can tell a
+    rank released by another's failure from a root cause, and show the original.
+
+    >>> sent = SentToTorch()
+    >>> err = KeyError("lost")
+    >>> sent.add(err)
+    >>> sent.find(RuntimeError(f"{_CALLBACK_ERROR}KeyError: 'lost'")) is err
+    True
+    >>> sent.find(RuntimeError("KeyError: 'lost'")) is None   # not torch's wrapper
+    True
+    """
+
+    __slots__ = ("_errors",)
+
+    LIMIT = 256  # a world with so many distinct errors is long aborted: keep the first
+
+    def __init__(self) -> None:
+        self._errors: dict[str, BaseException] = {}
+
+    def add(self, exc: BaseException) -> None:
+        text = str(exc)
+        if text and len(self._errors) < self.LIMIT:
+            self._errors.setdefault(text, exc)
+
+    def find(self, e: BaseException) -> BaseException | None:
+        """The sent error that ``e`` (torch's wrapper of it) carries, if any: the longest whose text it holds."""
+        text = str(e)
+        if _CALLBACK_ERROR not in text:
+            return None
+        best = max((key for key in self._errors if key in text), key=len, default=None)
+        return None if best is None else self._errors[best]
+
+    def __repr__(self) -> str:
+        return f"<SentToTorch {len(self._errors)} errors>"
