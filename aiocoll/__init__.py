@@ -27,6 +27,7 @@ from ._errors import (
     DeadlockError,
     GroupTimeoutError,
     InvalidArgumentError,
+    RankExitedError,
     TorchCompatError,
     WorldAbortedError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "InjectedFault",
     "InvalidArgumentError",
     "OpInfo",
+    "RankExitedError",
     "RankStatistics",
     "SeedFailure",
     "Statistics",

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from . import _c10d, _frdump, _torch
+from . import _c10d, _frdump, _torch, _watchdog
 from ._comm import Comm
 from ._config import WorldConfig
 from ._engine import RankState, World, install_task_tracking, rank_var
 from ._engine_comm import EngineComm
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, RankExitedError
 from ._faults import FaultPlan
 from ._locals import RankLocals
 from ._outcome import Outcome, warn_unmatched
@@ -51,6 +51,10 @@ class RankThread(threading.Thread):
         super().__init__(target=target, name=f"aiocoll rank {rank}", daemon=True)
         self.rank = rank
         self.loop = threading.current_thread()
+
+    def run(self) -> None:
+        # under a frame named after the rank: faulthandler's dump of a crash names threads by id only
+        _watchdog.named_call(self.name, super().run)
 
 
 class WorldRun:
@@ -141,6 +145,7 @@ class WorldRun:
             _c10d.install()
             stack.callback(self._end_sessions)
         stack.callback(install_task_tracking(loop))
+        stack.enter_context(_watchdog.fatal_errors_reported())  # a crash in C code prints each rank's stack
         if cfg.prefix_output:
             stack.enter_context(prefixed_output())
         return w, local, order
@@ -224,10 +229,19 @@ class WorldRun:
         try:
             if session is not None:
                 session.start()
-            result = await fn(EngineComm(w, w.group, st.rank))
+            comm = EngineComm(w, w.group, st.rank)
+            # (the frame's name says whose stack a crash's dump shows: the loop's thread runs them all)
+            result = await _watchdog.named_async_call(f"aiocoll rank {st.rank}", lambda: fn(comm))
         except BaseException as e:
-            self._failed(st, e)
-            raise
+            ok, value = _exited(st.rank, e)
+            if ok:
+                st.returned()
+                return cast(T, value)
+            assert isinstance(value, BaseException)
+            self._failed(st, value)
+            if value is e:
+                raise
+            raise value from e  # (a RankExitedError)
         st.returned()
         return result
 
@@ -296,7 +310,7 @@ class WorldRun:
                     # now, in its turn, not as the thread exits (where two exiting rank threads can deadlock in torch)
                     _torch.drop_thread_caches()
             except BaseException as e:
-                ok, value = False, e
+                ok, value = _exited(st.rank, e)
             if turns is not None:
                 # settled now, in turn order: a failure aborts the world before another rank runs
                 assert w.lock is not None
@@ -495,6 +509,19 @@ class _Endings:
     def _tell(self) -> None:
         for done, ok, value in self._outcomes:
             done(ok, value)
+
+
+def _exited(rank: int, e: BaseException) -> tuple[bool, object]:
+    """How a rank that raised ``e`` ended, as ``(ok, value)``: an exit is a process's, not the program's.
+
+    ``sys.exit(0)`` (or no code) is a rank that ended early, returning None, as its process
+    would; another code fails the world (``RankExitedError``). Anything else is the rank's failure.
+    """
+    if not isinstance(e, SystemExit):
+        return False, e
+    if e.code in (0, None):
+        return True, None
+    return False, RankExitedError.of(rank, e)
 
 
 def is_async(fn: object) -> bool:

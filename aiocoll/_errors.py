@@ -10,6 +10,7 @@ __all__ = [
     "DeadlockError",
     "GroupTimeoutError",
     "InvalidArgumentError",
+    "RankExitedError",
     "TorchCompatError",
     "WorldAbortedError",
 ]
@@ -168,6 +169,40 @@ class WorldAbortedError(AiocollError, RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class RankExitedError(AiocollError, RuntimeError):
+    """A rank called ``sys.exit`` with a non-zero code (or a message) while its world ran.
+
+    A process would have ended with that code; a rank of ``spawn`` is a thread or a task,
+    and its exit must not end the calling program: it fails the world instead, as
+    ``torch.multiprocessing.spawn`` raises ``ProcessExitedException``. ``rank`` and
+    ``exit_code`` say who left and how; ``__cause__`` is the ``SystemExit``. (``sys.exit(0)``
+    or ``sys.exit()`` is a rank that ends early, as its process would: it returns None.)
+
+    >>> import sys, aiocoll
+    >>> async def worker(comm):
+    ...     if comm.rank == 1:
+    ...         sys.exit(3)
+    >>> try:
+    ...     aiocoll.spawn(worker, world=2)
+    ... except aiocoll.RankExitedError as e:
+    ...     print(e, (e.rank, e.exit_code))
+    rank 1 exited with code 3 (sys.exit(3)) (1, 3)
+    """
+
+    def __init__(self, message: str, *, rank: int, exit_code: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+    @classmethod
+    def of(cls, rank: int, e: SystemExit) -> RankExitedError:
+        """The error for rank ``rank`` ending with ``e``, its exit code as a process's (a message: 1)."""
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        err = cls(f"rank {rank} exited with code {code} (sys.exit({e.code!r}))", rank=rank, exit_code=code)
+        err.__cause__ = e
+        return err
 
 
 class BlockingCallError(AiocollError, RuntimeError):

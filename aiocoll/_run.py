@@ -38,6 +38,7 @@ import torch
 
 from . import _harness, _mpspawn, _rankmain, _runlogs, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
+from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
 
 __all__ = ["main", "parser", "worker_env"]
@@ -399,13 +400,20 @@ def _run_once(
 
 def _report(error: BaseException, size: int, started: float) -> None:
     """The first failure, as torchrun's summary puts it (root cause first), with aiocoll's notes."""
-    code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
+    code = error.exit_code if isinstance(error, RankExitedError) else 1
     print("=" * 60, file=sys.stderr)
     print(f"aiocoll run: FAILED (a world of {size} ranks, after {time.time() - started:.1f} s)", file=sys.stderr)
     print(f"Root Cause (first observed failure): exitcode {code}", file=sys.stderr)
+    notes: list[str] = []
+    if isinstance(error, RankExitedError) and error.__cause__ is not None:
+        # the script's own sys.exit, as torchrun shows it, then what aiocoll says of it
+        notes = [f"aiocoll: {error}", *getattr(error, "__notes__", ())]
+        error = error.__cause__
     tb = _harness.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
     with contextlib.suppress(Exception):
         traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+    for note in notes:
+        print(note, file=sys.stderr)
     print("=" * 60, file=sys.stderr)
 
 

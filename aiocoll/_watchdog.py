@@ -15,7 +15,14 @@ waiting thread's stack runs through a frame named after it (``in <what>, under
 aiocoll's deadline of N s``; pytest leaves that frame out of the tracebacks it shows).
 
 faulthandler has one such timer per process: arming replaces pytest's own
-(``faulthandler_timeout``) for the time the block runs. It writes to the process's
+(``faulthandler_timeout``) for the time the block runs.
+
+A crash in C code (a segfault in torch, a bad ``ctypes`` call) is not silent either:
+while a world runs, ``fatal_errors_reported`` has faulthandler print every thread's
+stack when a fatal signal comes, if nothing (pytest, ``python -X faulthandler``) does
+already, and each rank's stack runs through a frame named after the rank
+(``named_for``), as faulthandler names threads by id only. The last world to end
+turns it off again. It writes to the process's
 stderr as it was when this module was first imported: aiocoll's pytest plugin imports
 it as pytest loads it, before pytest captures file descriptor 2 for each test (a dump
 written into a test's capture would die with the process, unread).
@@ -23,16 +30,17 @@ written into a test's capture would die with the process, unread).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-__all__ = ["MARGIN", "under_deadline"]
+__all__ = ["MARGIN", "fatal_errors_reported", "named_async_call", "named_call", "under_deadline"]
 
 T = TypeVar("T")
 
@@ -61,6 +69,62 @@ def _call(fn: Callable[[], T]) -> T:
     return fn()
 
 
+async def _acall(fn: Callable[[], Awaitable[T]]) -> T:
+    __tracebackhide__ = True  # (pytest)
+    return await fn()
+
+
+def _renamed(template: Callable[..., object], name: str) -> types.FunctionType:
+    """``template``, as a function whose frames faulthandler's dumps show under ``name``."""
+    code = template.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, template.__globals__)
+
+
+def named_call(name: str, fn: Callable[[], T]) -> T:
+    """``fn()``, its frames under one named ``name`` (in faulthandler's dumps and tracebacks).
+
+    >>> named_call("aiocoll rank 0", lambda: sys._getframe(1).f_code.co_name)
+    'aiocoll rank 0'
+    """
+    __tracebackhide__ = True  # (pytest)
+    named: Callable[[Callable[[], T]], T] = _renamed(_call, name)
+    return named(fn)
+
+
+async def named_async_call(name: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """``await fn()`` under a frame named ``name``: an async rank's, seen in a dump while it runs."""
+    __tracebackhide__ = True  # (pytest)
+    named: Callable[[Callable[[], Awaitable[T]]], Awaitable[T]] = _renamed(_acall, name)
+    return await named(fn)
+
+
+_fatal_users = 0  # worlds running with fatal errors reported (under _lock)
+_fatal_ours = False  # whether aiocoll turned faulthandler on (then it turns it off)
+
+
+@contextlib.contextmanager
+def fatal_errors_reported() -> Iterator[None]:
+    """While in it, a fatal signal (SIGSEGV, SIGABRT, ...) prints every thread's stack to stderr.
+
+    faulthandler's, turned on by the first world and off by the last, unless it was on
+    already (pytest turns it on for its run): then it is left as it is.
+    """
+    global _fatal_users, _fatal_ours
+    with _lock:
+        if _fatal_users == 0 and not faulthandler.is_enabled():
+            faulthandler.enable(file=_STDERR, all_threads=True)
+            _fatal_ours = True
+        _fatal_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _fatal_users -= 1
+            if _fatal_users == 0 and _fatal_ours:
+                _fatal_ours = False
+                faulthandler.disable()
+
+
 def under_deadline(seconds: float, what: str, fn: Callable[[], T]) -> T:
     """``fn()``; if the process is still in it ``seconds`` later, dump every thread's stack and exit.
 
@@ -68,13 +132,10 @@ def under_deadline(seconds: float, what: str, fn: Callable[[], T]) -> T:
     42
     """
     __tracebackhide__ = True  # (pytest)
-    name = f"{what}, under aiocoll's deadline of {seconds:g} s"
     # a function of its own whose frame carries the name into faulthandler's dump
-    code = _call.__code__.replace(co_name=name, co_qualname=name)
-    named: Callable[[Callable[[], T]], T] = types.FunctionType(code, _call.__globals__)
     token = _arm(seconds)
     try:
-        return named(fn)
+        return named_call(f"{what}, under aiocoll's deadline of {seconds:g} s", fn)
     finally:
         _disarm(token)
 

@@ -34,6 +34,7 @@ def test_public_names() -> None:
         "InvalidArgumentError",
         "TorchCompatError",
         "OpInfo",
+        "RankExitedError",
         "RankStatistics",
         "SeedFailure",
         "Statistics",
