@@ -42,7 +42,7 @@ from ._comm import Comm
 from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
 from ._engine import World, current_rank_state
-from ._errors import WorldAbortedError
+from ._errors import RankExitedError, WorldAbortedError
 from ._grouptimeouts import slowdown
 from ._outcome import echoes_abort
 from ._paths import PACKAGE_DIR
@@ -591,6 +591,7 @@ def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[Ran
     cls, file_name, size = type(case), case.file_name, int(case.world_size)
     kwargs = {"fake_pg": getattr(case, "fake_pg", False)}
     ends = [RankEnd() for _ in range(size)]
+    skips = _torch.process_harness.skips()
 
     def rank_main(rank: int) -> None:
         end = ends[rank]
@@ -603,6 +604,10 @@ def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[Ran
             end.exitcode = exit_code(e)
             if end.exitcode == error_code and e.__context__ is not None:
                 failure = end.error = e.__context__  # what run_test caught, reported and exited for
+            elif end.exitcode not in (0, *skips):
+                # a process that exits with an error closes its sockets: its peers' collectives
+                # with it fail at once (gloo's "connection closed"), not at the test's timeout
+                failure = end.error = RankExitedError.of(rank, e)
         except _procstate.NeedsProcess:
             raise
         except BaseException as e:  # out of _run itself: a process would print it and exit with 1
