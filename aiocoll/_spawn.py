@@ -36,7 +36,8 @@ def spawn(fn: Callable[[Comm], Any], world: int, **options: Unpack[SpawnOptions]
 
     If a rank raises, every other rank is released at once (``WorldAbortedError`` in a
     collective; async ranks busy elsewhere are cancelled) and ``spawn`` re-raises the
-    first failure, noting its rank.
+    first failure, noting its rank. A rank's ``sys.exit(n)`` is its process's: 0 returns
+    None early, another code fails the world with ``RankExitedError``.
 
     The keywords, all optional, with their defaults: ``timeout=300.0``, ``loop="auto"``,
     ``torch_distributed=True``, ``record=64``, ``trace=None``, ``faults=()``,
