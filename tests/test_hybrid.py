@@ -97,11 +97,18 @@ async def failing(comm: aiocoll.Comm) -> list[Any]:
     if comm.rank == 3:
         raise ValueError("rank 3 gives up")
     t0 = time.perf_counter()
+    w = comm.all_reduce(torch.ones(1))
+    fut = w.torch_future(None)  # as DDP's reducer gets it: it must fail in C++ too
     try:
-        await comm.all_reduce(torch.ones(1))
+        await w
     except aiocoll.WorldAbortedError as e:
-        return [str(e), time.perf_counter() - t0]
-    return ["no error", 0.0]
+        seconds = time.perf_counter() - t0
+        try:
+            torch.futures.collect_all([fut]).wait()  # C++: fails only on a C++ error
+        except RuntimeError as cpp:
+            return [str(e), seconds, str(cpp)]
+        return [str(e), seconds, "no C++ error"]
+    return ["no error", 0.0, ""]
 
 
 async def any_source(comm: aiocoll.Comm) -> str:
@@ -249,9 +256,12 @@ def test_a_mismatch_across_processes_is_reported_in_every_process(results: list[
 
 def test_a_failing_rank_releases_the_other_process_at_once(results: list[dict[str, Any]]) -> None:
     assert results[1]["failing"] == "rank 3 gives up"  # spawn re-raised it there
-    for msg, seconds in results[0]["failing"]:
+    for msg, seconds, cpp in results[0]["failing"]:
         assert "process 1 of the hybrid world aborted: rank 3 failed with ValueError: rank 3 gives up" in msg
         assert seconds < 5.0  # the notice, not the 30 s timeout
+        # the torch future failed in C++, with the error (of a WorldAbortedError subclass of the bridge's)
+        assert cpp.startswith("Got the following error when running the callback: ")
+        assert f": {msg}" in cpp
     # the process group is still in step: a new world over it works
     flat = _flat(big, 4)
     after = [r for proc in results for r in proc["after_failure"]]
