@@ -194,12 +194,13 @@ def pipelining() -> None:
     fault_layer = FaultLayer()
     stage_module = nn.Sequential(nn.Linear(16, 16), fault_layer)
     stage = PipelineStage(stage_module, rank, size, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: (out - target).pow(2).sum())
+    # (torch 2.10 wants a microbatch per stage at least)
+    schedule = ScheduleGPipe(stage, n_microbatches=size, loss_fn=lambda out, target: (out - target).pow(2).sum())
     for step in Training(stage_module.parameters(), fault_layer).steps():
         if rank == 0:
-            schedule.step(torch.randn(4, 16, generator=torch.Generator().manual_seed(step)))
+            schedule.step(torch.randn(2 * size, 16, generator=torch.Generator().manual_seed(step)))
         elif rank == size - 1:
-            schedule.step(target=torch.zeros(4, 16), losses=[])
+            schedule.step(target=torch.zeros(2 * size, 16), losses=[])
         else:
             schedule.step()
 
