@@ -11,7 +11,6 @@ in ``tests/test_fault_campaign.py``, each in a process of its own.
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import os
 import subprocess
 import sys
@@ -314,10 +313,19 @@ def test_what_reports_a_crash_is_undone_when_the_last_world_ends() -> None:
 
 
 def test_a_crash_report_that_is_on_already_is_left_alone() -> None:
-    assert faulthandler.is_enabled()  # pytest's own, for its run
+    # in a process of its own: whether pytest turned faulthandler on depends on how it runs
+    # (off in a pytest-xdist worker), and the test must not turn it off for the rest
+    proc = _python(
+        """
+        import faulthandler, aiocoll
 
-    async def fn(comm: Comm) -> bool:
-        return faulthandler.is_enabled()
+        faulthandler.enable()  # the user's own
 
-    assert aiocoll.spawn(fn, world=2) == [True, True]
-    assert faulthandler.is_enabled()
+        async def fn(comm):
+            return faulthandler.is_enabled()
+
+        print(aiocoll.spawn(fn, world=2), faulthandler.is_enabled())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[True, True] True"
