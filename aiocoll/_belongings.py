@@ -94,9 +94,11 @@ class Belongings:
 
         ``results``: what the world returned, which may keep some of them alive.
         """
-        meshes = [m for ref in self._meshes if (m := ref()) is not None]
-        if meshes:
-            _torch.drop_mesh_caches(meshes)
+        # (no `m := ref()` in a comprehension: `m` would be a name of this frame, keeping
+        # the last mesh alive through the collections below, which then never free it)
+        meshes = [ref() for ref in self._meshes]
+        if any(m is not None for m in meshes):
+            _torch.drop_mesh_caches([m for m in meshes if m is not None])
         del meshes
         if self._count_alive():
             gc.collect(1)

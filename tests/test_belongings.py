@@ -127,6 +127,31 @@ def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> Non
     assert all(r() is None for r in refs)
 
 
+def test_meshes_that_die_young_cost_no_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    # release() once kept the last mesh it looked at alive itself (a name bound in a
+    # comprehension lives as long as the function's frame), so the young collection never
+    # freed it and every world that made a mesh paid a full collection
+    collections: list[int] = []
+    real = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        collections.append(generation)
+        return real(generation)
+
+    def meshes(comm: aiocoll.Comm) -> None:
+        cycle: dict[str, Any] = {"mesh": init_device_mesh("cpu", (comm.world_size,))}
+        cycle["self"] = cycle  # young garbage once the rank returns: only a collection frees it
+
+    aiocoll.spawn(meshes, world=2)  # (first-use set-ups, which may live on)
+    monkeypatch.setattr(gc, "collect", counting)
+    gc.disable()  # nothing is collected before the world's end, nor promoted
+    try:
+        aiocoll.spawn(meshes, world=2)
+    finally:
+        gc.enable()
+    assert collections == [1]  # the young collection freed the meshes
+
+
 def test_results_keeping_a_worlds_meshes_cost_no_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
     collections: list[int] = []
     real = gc.collect
