@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from . import _c10d, _frdump, _torch, _watchdog
+from . import _belongings, _c10d, _frdump, _torch, _watchdog
 from ._comm import Comm
 from ._config import WorldConfig
 from ._engine import RankState, World, install_task_tracking, rank_var
@@ -97,6 +97,9 @@ class WorldRun:
         if self._outcome is not None:
             raise RuntimeError(f"{self!r} has run already: a WorldRun runs once")
         with contextlib.ExitStack() as stack:
+            # first: the world's objects are all younger than it, and its end (release,
+            # entered by _build, so left before this) collects only those (_belongings)
+            stack.enter_context(_belongings.world_scope())
             w, local, order = self._build(stack)
             await self._run_ranks(stack, w, local, order)
         return self._conclude(w)

@@ -173,15 +173,60 @@ def test_results_keeping_a_worlds_meshes_cost_no_full_collection(monkeypatch: py
     real()
     assert all(r() is None for r in refs)
 
+
+def test_old_cycles_die_at_the_worlds_end_by_a_collection_of_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[weakref.ref[Any]] = []
+    seen: list[tuple[int, int, int]] = []  # (generation, objects it looks at, objects set aside)
+    real = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        # (gc.get_objects() lists the generations a collection looks at, not the frozen objects)
+        seen.append((generation, len(gc.get_objects()), gc.get_freeze_count()))
+        return real(generation)
+
     def old_cycles(comm: aiocoll.Comm) -> None:
         mesh = init_device_mesh("cpu", (comm.world_size,))
-        distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        made.extend([weakref.ref(mesh), weakref.ref(mesh.get_group()), weakref.ref(x)])
         real()  # what DTensor made, alive, moves to the oldest generation: garbage in cycles once this returns
         assert mesh.size() == comm.world_size
 
-    collections.clear()
+    aiocoll.spawn(old_cycles, world=2)  # (first-use set-ups)
+    made.clear()
+    monkeypatch.setattr(gc, "collect", counting)
     aiocoll.spawn(old_cycles, world=2)
-    assert collections[-1] == 2  # garbage the young collection cannot reach: all generations
+    assert [r() for r in made] == [None] * 6  # dead when the world returned, as before
+    generation, looked_at, set_aside = seen[-1]
+    assert generation == 2  # garbage the young collection cannot reach: every generation,
+    assert looked_at < set_aside / 4  # but of the objects made since the world started only
+    assert gc.get_freeze_count() == 0  # those older than the world are back once it ended
+
+
+def test_a_world_leaves_what_others_froze_frozen() -> None:
+    def rank(comm: aiocoll.Comm) -> int:
+        return gc.get_freeze_count()
+
+    gc.freeze()  # (as a server does before it forks its workers)
+    try:
+        assert min(aiocoll.spawn(rank, world=2)) > 0
+        assert gc.get_freeze_count() > 0  # the world's end did not unfreeze them
+    finally:
+        gc.unfreeze()
+
+
+def test_worlds_side_by_side_unfreeze_when_the_last_ends() -> None:
+    def inner(comm: aiocoll.Comm) -> int:
+        return comm.rank
+
+    def outer(comm: aiocoll.Comm) -> tuple[list[Any], int]:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # the older objects were set aside as the world started
+        return aiocoll.spawn(inner, world=2), gc.get_freeze_count()  # a world nested in a rank ends first
+
+    results = aiocoll.spawn(outer, world=2)
+    assert [r[0] for r in results] == [[0, 1], [0, 1]]
+    assert all(frozen > 0 for _, frozen in results)  # still set aside: the outer world ran on
+    assert gc.get_freeze_count() == 0
 
 
 # -- import-time group.WORLD ---------------------------------------------------------------------
