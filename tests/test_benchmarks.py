@@ -308,3 +308,57 @@ def test_bench_run_quick() -> None:
         assert re.search(rf"^{re.escape(row)} +\d+\.\d\d ", proc.stdout, re.MULTILINE), proc.stdout
     assert "torchrun / aiocoll run" in proc.stdout
     assert "ddp:" not in proc.stdout
+
+
+BENCH_TEST_FILES = BENCH_ALLREDUCE.parent / "bench_test_files.py"
+
+
+def test_bench_test_files_guard(tmp_path: Path) -> None:
+    """Two small files, one round, as the CI guard runs them: the table, the verdict, the JSON."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(BENCH_TEST_FILES), "--guard", "--files", "c10d", "opinfo", "--ops", "3"]
+    cmd += ["--rounds", "1", "--max-ratio", "1000", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("file"))
+    assert header.split() == [
+        "file", "tests", "harness", "pass/fail/skip", "wall", "s", "start", "end", "collectives", "compute",
+        "aiocoll/torch",
+    ]  # fmt: skip
+    # each file: a row per harness, torch's first; every test passes on both (c10d's 24, one per operator)
+    table = [line.split() for line in lines if "torch threaded PG" in line or "aiocoll drop-in" in line]
+    assert [row[:5] for row in table[::2]] == [
+        ["c10d", "24", "torch", "threaded", "PG"],
+        ["opinfo", "3", "torch", "threaded", "PG"],
+    ], proc.stdout
+    assert [row[:3] for row in table[1::2]] == [["aiocoll", "drop-in", "24/0/0"], ["aiocoll", "drop-in", "3/0/0"]]
+    assert [row[5] for row in table[::2]] == ["24/0/0", "3/0/0"], proc.stdout
+    assert all(row[-1].endswith("x") for row in table[1::2]), proc.stdout
+    assert re.search(r"^threaded files \(c10d, opinfo\): .* aiocoll/torch [\d.]+x", proc.stdout, re.MULTILINE)
+    verdict = r"^guard: PASS: aiocoll/torch [\d.]+x on the threaded files \(at most 1000x\)$"
+    assert re.search(verdict, proc.stdout, re.MULTILINE), proc.stdout
+    assert "round 1/1: torch" in proc.stderr  # progress goes to stderr
+    data = json.loads(out.read_text())
+    for system in ("torch", "aiocoll"):
+        (run,) = data["results"][system]
+        assert set(run) == {"c10d", "opinfo"}
+        for f in run.values():
+            assert f["wall"] > 0
+            assert set(f["parts"]) == {"start", "end", "collectives", "compute"}
+            assert all(v >= 0 for v in f["parts"].values())
+
+
+def test_bench_test_files_guard_verdict() -> None:
+    """The guard fails past its ratio, and when nothing ran."""
+    sys.path.insert(0, str(BENCH_TEST_FILES.parent))
+    try:
+        from bench_test_files import guard
+    finally:
+        sys.path.remove(str(BENCH_TEST_FILES.parent))
+    assert guard({"torch": 10.0, "aiocoll": 14.0}, 1.5) == (
+        True,
+        "guard: PASS: aiocoll/torch 1.40x on the threaded files (at most 1.5x)",
+    )
+    assert guard({"torch": 10.0, "aiocoll": 16.0}, 1.5)[0] is False
+    assert guard({}, 1.5)[0] is False
