@@ -23,13 +23,17 @@ which doubled suites that start a world per test (torch's DTensor tests). A worl
 inside ``world_scope()``, which sets the objects older than the world aside
 (``gc.freeze()``, which moves them as a whole, not one by one) until it ends: the full
 collection at its end then looks only at what was made while it ran, the world's own
-objects among them (about 5 ms for a world of FSDP2, TP and DCP), and frees what it
-made as before. Objects set aside are not collected meanwhile; a cycle among them that
-becomes garbage while the world runs is freed by a collection after it ends. The scope
-sets nothing aside when some other code froze objects already (``gc.get_freeze_count()``),
-as its end would unfreeze them too: a world's end then costs a full collection, as
-before. Worlds side by side (threads, nested worlds) share one scope: the first freezes,
-the last to end unfreezes.
+objects among them (6-7 ms for a world of FSDP2, TP and DCP), and frees what it made as
+before. Objects set aside are not collected meanwhile: garbage made between two worlds
+(the last world's engine, once its caller lets it go; a test's leftovers) would be set
+aside by the next world, and the next, and pile up in a loop of worlds (80 MB over 250
+worlds of that program). So a world's start first collects every generation when the
+process's memory (RSS, and CUDA's allocated memory) grew by ``GROWTH_MB`` since the last
+such collection, or ``EVERY`` worlds started since: that cost is shared by many worlds.
+The scope sets nothing aside when some other code froze objects already
+(``gc.get_freeze_count()``), as its end would unfreeze them too: a world's end then costs
+a full collection, as before. Worlds side by side (threads, nested worlds) share one
+scope: the first freezes, the last to end unfreezes.
 
 >>> import torch.distributed as dist
 >>> b = Belongings()
@@ -46,12 +50,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
 from typing import Any, Literal
+
+import torch
 
 from . import _torch
 
@@ -129,9 +136,40 @@ class Belongings:
 
 # -- what a world's end collects: what was made while it ran ------------------------------
 
+GROWTH_MB = 16.0  # memory grown since the last full collection at a world's start: one more there
+EVERY = 100  # worlds started since the last one: one more there, whatever the memory
+
 _scope_lock = threading.Lock()
 _scopes = 0  # worlds under way in the scope
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
+_started = 0  # worlds started (outermost) since the last full collection at a start
+_memory_then: float | None = None  # the memory after that collection, MB
+
+
+def _memory_mb() -> float:
+    """The process's memory, MB: its resident set (Linux; else 0) and CUDA's allocated memory (if in use)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = 0
+    # (never initialises CUDA: only a process that uses it has its memory to count)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        rss += sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
+    return rss / 2**20
+
+
+def _collect_between_worlds() -> None:
+    """Before the older objects are set aside: collect them all, when memory grew or worlds passed (see the module)."""
+    global _started, _memory_then
+    _started += 1
+    now = _memory_mb()
+    if _memory_then is None:
+        _memory_then = now  # (the first world: the measure starts)
+    if _started >= EVERY or now - _memory_then > GROWTH_MB:
+        gc.collect()
+        _started = 0
+        _memory_then = _memory_mb()
 
 
 @contextlib.contextmanager
@@ -147,6 +185,7 @@ def world_scope() -> Iterator[None]:
             # someone else's frozen objects: gc.unfreeze() at the end would release them too
             _froze = gc.get_freeze_count() == 0  # (counts the permanent generation: none, at once)
             if _froze:
+                _collect_between_worlds()
                 gc.freeze()
         _scopes += 1
     try:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import aiocoll
-from aiocoll import _torch
+from aiocoll import _belongings, _torch
 from aiocoll._engine import current_rank_state
 from aiocoll._harness import Settings
 
@@ -127,7 +127,16 @@ def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> Non
     assert all(r() is None for r in refs)
 
 
-def test_meshes_that_die_young_cost_no_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_start_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world's start collects nothing (it may, when memory grew or worlds passed): only its end counts."""
+    monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
+    monkeypatch.setattr(_belongings, "EVERY", 2**62)
+
+
+def test_meshes_that_die_young_cost_no_full_collection(
+    monkeypatch: pytest.MonkeyPatch, no_start_collection: None
+) -> None:
     # release() once kept the last mesh it looked at alive itself (a name bound in a
     # comprehension lives as long as the function's frame), so the young collection never
     # freed it and every world that made a mesh paid a full collection
@@ -152,7 +161,9 @@ def test_meshes_that_die_young_cost_no_full_collection(monkeypatch: pytest.Monke
     assert collections == [1]  # the young collection freed the meshes
 
 
-def test_results_keeping_a_worlds_meshes_cost_no_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_results_keeping_a_worlds_meshes_cost_no_full_collection(
+    monkeypatch: pytest.MonkeyPatch, no_start_collection: None
+) -> None:
     collections: list[int] = []
     real = gc.collect
 
@@ -227,6 +238,48 @@ def test_worlds_side_by_side_unfreeze_when_the_last_ends() -> None:
     assert [r[0] for r in results] == [[0, 1], [0, 1]]
     assert all(frozen > 0 for _, frozen in results)  # still set aside: the outer world ran on
     assert gc.get_freeze_count() == 0
+
+
+class _Cycle:
+    """Garbage only a full collection frees: a cycle in the oldest generation, holding ``big``."""
+
+    def __init__(self, big: object) -> None:
+        self.me = self
+        self.big = big
+
+
+def _old_garbage(big: object) -> weakref.ref[_Cycle]:
+    c = _Cycle(big)
+    gc.collect()  # alive: moved to the oldest generation
+    return weakref.ref(c)  # (and garbage once this returns)
+
+
+def _alive_in_a_world(ref: weakref.ref[_Cycle]) -> bool:
+    """Whether ``ref`` is alive while a world of one rank runs."""
+    (alive,) = aiocoll.spawn(lambda comm: ref() is not None, world=1)
+    return alive
+
+
+def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    # set aside by each world's start, garbage made between worlds would pile up in a loop
+    # of worlds: a start collects every generation once the memory grew by GROWTH_MB
+    monkeypatch.setattr(_belongings, "EVERY", 2**62)
+    monkeypatch.setattr(_belongings, "GROWTH_MB", 16.0)
+    _alive_in_a_world(_old_garbage(None))  # (a world's first-use set-ups, before the measure starts)
+    monkeypatch.setattr(_belongings, "_memory_then", _belongings._memory_mb())
+    small = _old_garbage(torch.ones(1))
+    assert _alive_in_a_world(small)  # set aside while the world ran
+    big = _old_garbage(torch.ones(2**23))  # 32 MB
+    assert not _alive_in_a_world(big)  # the memory grew: collected first
+    assert small() is None
+
+
+def test_garbage_made_between_worlds_is_collected_every_so_many_worlds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
+    monkeypatch.setattr(_belongings, "EVERY", 3)
+    monkeypatch.setattr(_belongings, "_started", 0)
+    seen = [_alive_in_a_world(_old_garbage(None)) for _ in range(3)]
+    assert seen == [True, True, False]  # the third start collects it
 
 
 # -- import-time group.WORLD ---------------------------------------------------------------------
