@@ -24,12 +24,14 @@ inside ``world_scope()``, which sets the objects older than the world aside
 (``gc.freeze()``, which moves them as a whole, not one by one) until it ends: the full
 collection at its end then looks only at what was made while it ran, the world's own
 objects among them (6-7 ms for a world of FSDP2, TP and DCP), and frees what it made as
-before. Objects set aside are not collected meanwhile: garbage made between two worlds
-(the last world's engine, once its caller lets it go; a test's leftovers) would be set
-aside by the next world, and the next, and pile up in a loop of worlds (80 MB over 250
-worlds of that program). So a world's start first collects every generation when the
-process's memory (RSS, and CUDA's allocated memory) grew by ``GROWTH_MB`` since the last
-such collection, or ``EVERY`` worlds started since: that cost is shared by many worlds.
+before. Objects set aside are not collected meanwhile, and garbage made between two
+worlds would be set aside by the next world, and the next: in a loop of worlds it piled
+up (80 MB over 250 worlds of that program, mostly the ended worlds' own engines, each
+holding its closed uvloop loop of 256 KB; they are reference cycles, freed once their
+caller lets them go). So a world's start first collects every generation when the
+engines of ``ENGINES`` ended worlds are still alive, or the process's memory (RSS, and
+CUDA's allocated memory) grew by ``GROWTH_MB`` since the last such collection: a cost
+shared by many worlds, and none where nothing is left to collect.
 The scope sets nothing aside when some other code froze objects already
 (``gc.get_freeze_count()``), as its end would unfreeze them too: a world's end then costs
 a full collection, as before. Worlds side by side (threads, nested worlds) share one
@@ -54,7 +56,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
 from typing import Any, Literal
 
@@ -136,14 +138,14 @@ class Belongings:
 
 # -- what a world's end collects: what was made while it ran ------------------------------
 
-GROWTH_MB = 16.0  # memory grown since the last full collection at a world's start: one more there
-EVERY = 100  # worlds started since the last one: one more there, whatever the memory
+ENGINES = 48  # ended worlds whose engines still live (cycles): a full collection at a world's start
+GROWTH_MB = 32.0  # or the memory grown since the last one
 
 _scope_lock = threading.Lock()
 _scopes = 0  # worlds under way in the scope
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
-_started = 0  # worlds started (outermost) since the last full collection at a start
-_memory_then: float | None = None  # the memory after that collection, MB
+_ended: list[weakref.ref[Any]] = []  # the engines of worlds that ended since that collection
+_memory_then: float | None = None  # the memory after it, MB
 
 
 def _memory_mb() -> float:
@@ -160,26 +162,28 @@ def _memory_mb() -> float:
 
 
 def _collect_between_worlds() -> None:
-    """Before the older objects are set aside: collect them all, when memory grew or worlds passed (see the module)."""
-    global _started, _memory_then
-    _started += 1
+    """Before the older objects are set aside: collect them all, when engines or memory piled up (see the module)."""
+    global _ended, _memory_then
+    _ended = [ref for ref in _ended if ref() is not None]
     now = _memory_mb()
     if _memory_then is None:
         _memory_then = now  # (the first world: the measure starts)
-    if _started >= EVERY or now - _memory_then > GROWTH_MB:
+    if len(_ended) >= ENGINES or now - _memory_then > GROWTH_MB:
         gc.collect()
-        _started = 0
+        _ended = []  # (an engine still alive now is its caller's: it is no garbage to wait for)
         _memory_then = _memory_mb()
 
 
 @contextlib.contextmanager
-def world_scope() -> Iterator[None]:
+def world_scope() -> Iterator[Callable[[object], None]]:
     """Around a world's run: a full collection looks only at what was made since it started.
 
     See the module. Enter it before the world's first object is made; leave it after
-    ``release()`` ran.
+    ``release()`` ran. It gives ``watch(engine)``: the world's engine, whose life after
+    the world decides when a later start collects.
     """
     global _scopes, _froze
+    engines: list[object] = []
     with _scope_lock:
         if _scopes == 0:
             # someone else's frozen objects: gc.unfreeze() at the end would release them too
@@ -189,9 +193,11 @@ def world_scope() -> Iterator[None]:
                 gc.freeze()
         _scopes += 1
     try:
-        yield
+        yield engines.append
     finally:
         with _scope_lock:
+            _ended.extend(weakref.ref(e) for e in engines)
+            del engines[:]
             _scopes -= 1
             if _scopes == 0 and _froze:
                 _froze = False

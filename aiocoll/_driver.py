@@ -98,9 +98,11 @@ class WorldRun:
             raise RuntimeError(f"{self!r} has run already: a WorldRun runs once")
         with contextlib.ExitStack() as stack:
             # first: the world's objects are all younger than it, and its end (release,
-            # entered by _build, so left before this) collects only those (_belongings)
-            stack.enter_context(_belongings.world_scope())
+            # entered by _build, so left before this) collects only those; its engine,
+            # watched, tells later worlds' starts when to collect more (_belongings)
+            watch = stack.enter_context(_belongings.world_scope())
             w, local, order = self._build(stack)
+            watch(w)
             await self._run_ranks(stack, w, local, order)
         return self._conclude(w)
 

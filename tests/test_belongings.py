@@ -131,7 +131,7 @@ def test_what_outlives_a_world_is_only_what_is_referenced(tmp_path: Path) -> Non
 def no_start_collection(monkeypatch: pytest.MonkeyPatch) -> None:
     """A world's start collects nothing (it may, when memory grew or worlds passed): only its end counts."""
     monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
-    monkeypatch.setattr(_belongings, "EVERY", 2**62)
+    monkeypatch.setattr(_belongings, "ENGINES", 2**62)
 
 
 def test_meshes_that_die_young_cost_no_full_collection(
@@ -260,10 +260,38 @@ def _alive_in_a_world(ref: weakref.ref[_Cycle]) -> bool:
     return alive
 
 
-def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_automatic_collection() -> Iterator[None]:
+    """Only aiocoll's collections run (Python's own could free what a test waits to see freed)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_automatic_collection")
+def test_ended_worlds_engines_piling_up_are_collected_at_a_start(monkeypatch: pytest.MonkeyPatch) -> None:
     # set aside by each world's start, garbage made between worlds would pile up in a loop
-    # of worlds: a start collects every generation once the memory grew by GROWTH_MB
-    monkeypatch.setattr(_belongings, "EVERY", 2**62)
+    # of worlds, each world's engine first (reference cycles: a few hundred objects and
+    # a uvloop loop of 256 KB): a start collects every generation once ENGINES of them live
+    monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
+    monkeypatch.setattr(_belongings, "ENGINES", 2)
+    monkeypatch.setattr(_belongings, "_ended", [])
+    cycles = [_Cycle(None) for _ in range(3)]
+    gc.collect()  # alive: moved to the oldest generation (and no collection after this but aiocoll's)
+    refs = [weakref.ref(c) for c in cycles]
+    seen = []
+    for ref in refs:
+        cycles.pop(0)  # garbage now, between two worlds
+        seen.append(_alive_in_a_world(ref))
+    assert seen == [True, True, False]  # the third start sees 2 ended worlds' engines: it collects
+    assert len(_belongings._ended) == 1  # the engines looked for: the third world's alone, since it ended
+
+
+@pytest.mark.usefixtures("no_automatic_collection")
+def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_belongings, "ENGINES", 2**62)
     monkeypatch.setattr(_belongings, "GROWTH_MB", 16.0)
     _alive_in_a_world(_old_garbage(None))  # (a world's first-use set-ups, before the measure starts)
     monkeypatch.setattr(_belongings, "_memory_then", _belongings._memory_mb())
@@ -272,14 +300,6 @@ def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(mo
     big = _old_garbage(torch.ones(2**23))  # 32 MB
     assert not _alive_in_a_world(big)  # the memory grew: collected first
     assert small() is None
-
-
-def test_garbage_made_between_worlds_is_collected_every_so_many_worlds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
-    monkeypatch.setattr(_belongings, "EVERY", 3)
-    monkeypatch.setattr(_belongings, "_started", 0)
-    seen = [_alive_in_a_world(_old_garbage(None)) for _ in range(3)]
-    assert seen == [True, True, False]  # the third start collects it
 
 
 # -- import-time group.WORLD ---------------------------------------------------------------------
