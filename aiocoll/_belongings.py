@@ -31,7 +31,11 @@ holding its closed uvloop loop of 256 KB; they are reference cycles, freed once 
 caller lets them go). So a world's start first collects every generation when the
 engines of ``ENGINES`` ended worlds are still alive, or the process's memory (RSS, and
 CUDA's allocated memory) grew by ``GROWTH_MB`` since the last such collection: a cost
-shared by many worlds, and none where nothing is left to collect.
+shared by many worlds (every 50-100 worlds of DTensor tests), and none where nothing is
+left to collect. The memory is the tighter bound: it keeps a loop of 1,000 worlds within
+the leftovers bound (``benchmarks/bench_leftovers.py``), which 32 MB did not.
+A world that runs longer than ``FREEZE_SECONDS`` gives the objects back then, and its
+end costs a full collection: it is long enough that this is a small part of it.
 The scope sets nothing aside when some other code froze objects already
 (``gc.get_freeze_count()``), as its end would unfreeze them too: a world's end then costs
 a full collection, as before. Worlds side by side (threads, nested worlds) share one
@@ -50,9 +54,11 @@ scope: the first freezes, the last to end unfreezes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
+import sys
 import threading
 import weakref
 from collections import deque
@@ -138,18 +144,27 @@ class Belongings:
 
 # -- what a world's end collects: what was made while it ran ------------------------------
 
-ENGINES = 48  # ended worlds whose engines still live (cycles): a full collection at a world's start
-GROWTH_MB = 32.0  # or the memory grown since the last one
+ENGINES = 100  # ended worlds whose engines still live (cycles): a full collection at a world's start
+GROWTH_MB = 8.0  # or the memory grown since the last one (at 32, 300 worlds of the harness left 35 MB)
 
 # What the interpreter itself froze as it started: CPython 3.12 keeps the immortal base and
 # MRO tuples of its static types there (375 on 3.12.1; none on 3.11 and 3.13). Those are
 # no one's to keep frozen (immortal, never collected): unfreezing them is harmless, and
-# a count of exactly that many is no sign of another user of gc.freeze().
-_STARTUP_FROZEN = gc.get_freeze_count()
+# a count of exactly that many is no sign of another user of gc.freeze(). (Read on 3.12
+# alone: elsewhere a count at import is a program's own gc.freeze(), to be left alone.)
+_STARTUP_FROZEN = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 0
+
+# A world that runs longer gives the objects it set aside back before its end, which
+# then costs a full collection (0.2 s: a tenth of such a world at most). While objects
+# are set aside, gc.get_referrers() and gc.get_objects() do not see them (hypothesis's
+# register_random, for one, then warns of a generator no one keeps), and a world whose
+# rank is stuck (left running by a test's timeout) would keep them aside for good.
+FREEZE_SECONDS = 2.0
 
 _scope_lock = threading.Lock()
 _scopes = 0  # worlds under way in the scope
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
+_epoch = 0  # counts the times they were set aside (a late thaw must not give back a later world's)
 _ended: list[weakref.ref[Any]] = []  # the engines of worlds that ended since that collection
 _memory_then: float | None = None  # the memory after it, MB
 
@@ -181,15 +196,17 @@ def _collect_between_worlds() -> None:
 
 
 @contextlib.contextmanager
-def world_scope() -> Iterator[Callable[[object], None]]:
+def world_scope(loop: asyncio.AbstractEventLoop | None = None) -> Iterator[Callable[[object], None]]:
     """Around a world's run: a full collection looks only at what was made since it started.
 
     See the module. Enter it before the world's first object is made; leave it after
     ``release()`` ran. It gives ``watch(engine)``: the world's engine, whose life after
-    the world decides when a later start collects.
+    the world decides when a later start collects. On ``loop`` (the world's), the
+    objects set aside are given back after ``FREEZE_SECONDS`` if the world still runs.
     """
-    global _scopes, _froze
+    global _scopes, _froze, _epoch
     engines: list[object] = []
+    thaw: asyncio.TimerHandle | None = None
     with _scope_lock:
         if _scopes == 0:
             # someone else's frozen objects: gc.unfreeze() at the end would release them too
@@ -197,10 +214,15 @@ def world_scope() -> Iterator[Callable[[object], None]]:
             if _froze:
                 _collect_between_worlds()
                 gc.freeze()
+                _epoch += 1
+                if loop is not None:
+                    thaw = loop.call_later(FREEZE_SECONDS, _thaw, _epoch)
         _scopes += 1
     try:
         yield engines.append
     finally:
+        if thaw is not None:
+            thaw.cancel()
         with _scope_lock:
             _ended.extend(weakref.ref(e) for e in engines)
             del engines[:]
@@ -208,3 +230,12 @@ def world_scope() -> Iterator[Callable[[object], None]]:
             if _scopes == 0 and _froze:
                 _froze = False
                 gc.unfreeze()  # back into the oldest generation, as a whole
+
+
+def _thaw(epoch: int) -> None:
+    """The world that set the older objects aside ``epoch`` still runs: give them back now."""
+    global _froze
+    with _scope_lock:
+        if _froze and epoch == _epoch:
+            _froze = False
+            gc.unfreeze()

@@ -100,7 +100,7 @@ class WorldRun:
             # first: the world's objects are all younger than it, and its end (release,
             # entered by _build, so left before this) collects only those; its engine,
             # watched, tells later worlds' starts when to collect more (_belongings)
-            watch = stack.enter_context(_belongings.world_scope())
+            watch = stack.enter_context(_belongings.world_scope(asyncio.get_running_loop()))
             w, local, order = self._build(stack)
             watch(w)
             await self._run_ranks(stack, w, local, order)

@@ -13,6 +13,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,6 +303,32 @@ def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(mo
     big = _old_garbage(torch.ones(2**23))  # 32 MB
     assert not _alive_in_a_world(big)  # the memory grew: collected first
     assert small() is None
+
+
+def test_a_world_running_long_gives_the_older_objects_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # set aside, objects are unseen by gc.get_referrers(); a world stuck for good (a rank
+    # left running by a test's timeout) would keep them so: they come back after FREEZE_SECONDS
+    monkeypatch.setattr(_belongings, "FREEZE_SECONDS", 0.05)
+    made: list[weakref.ref[Any]] = []
+
+    def rank(comm: aiocoll.Comm) -> tuple[int, bool]:
+        frozen = gc.get_freeze_count()
+        deadline = time.monotonic() + 30
+        while gc.get_freeze_count() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (a rank running on, while the world's loop gives them back)
+        thawed = gc.get_freeze_count() == 0
+        holder = _Cycle(init_device_mesh("cpu", (comm.world_size,)))
+        made.append(weakref.ref(holder.big))
+        gc.collect(1)  # (the cycle, young: moved on, so that only a full collection frees it)
+        gc.collect(1)
+        return frozen, thawed
+
+    (frozen, thawed), (_, thawed_too) = aiocoll.spawn(rank, world=2)
+    assert frozen > 0  # set aside as the world started (rank 1 may start later)
+    assert thawed
+    assert thawed_too
+    assert gc.get_freeze_count() == 0
+    assert [r() for r in made] == [None, None]  # its end, a full collection now, still freed them
 
 
 # -- import-time group.WORLD ---------------------------------------------------------------------
