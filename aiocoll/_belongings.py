@@ -26,14 +26,18 @@ collection at its end then looks only at what was made while it ran, the world's
 objects among them (6-7 ms for a world of FSDP2, TP and DCP), and frees what it made as
 before. Objects set aside are not collected meanwhile, and garbage made between two
 worlds would be set aside by the next world, and the next: in a loop of worlds it piled
-up (80 MB over 250 worlds of that program, mostly the ended worlds' own engines, each
-holding its closed uvloop loop of 256 KB; they are reference cycles, freed once their
-caller lets them go). So a world's start first collects every generation when the
-engines of ``ENGINES`` ended worlds are still alive, or the process's memory (RSS, and
-CUDA's allocated memory) grew by ``GROWTH_MB`` since the last such collection: a cost
-shared by many worlds (every 50-100 worlds of DTensor tests), and none where nothing is
-left to collect. The memory is the tighter bound: it keeps a loop of 1,000 worlds within
-the leftovers bound (``benchmarks/bench_leftovers.py``), which 32 MB did not.
+up (80 MB over 250 worlds of that program), most of it the ended worlds' own engines
+(reference cycles holding the world's closed uvloop loop of 256 KB), which die only once
+their caller lets them go, after the world's end. So the callers that hold a world
+(``spawn``, ``spawn_async``, and the harness's worlds, which the process-harness drop-in
+and ``aiocoll run`` run on) enter the scope themselves, with ``collect``, and let the
+world go before it ends: its end collects once more, still looking only at what was made
+since it began (milliseconds), and the engine dies then. What piles up still (garbage
+made between worlds; an engine a caller keeps, as the pytest plugin's and the threaded
+harness drop-in's are still kept somewhere past that point: not traced) a world's
+start collects, every generation, once the process's memory (RSS, and CUDA's allocated
+memory) grew by ``GROWTH_MB`` since the last such collection or ``ENGINES`` ended worlds'
+engines are still alive: a cost shared by many worlds, none where nothing piles up.
 A world that runs longer than ``FREEZE_SECONDS`` gives the objects back then, and its
 end costs a full collection: it is long enough that this is a small part of it.
 The scope sets nothing aside when some other code froze objects already
@@ -144,8 +148,9 @@ class Belongings:
 
 # -- what a world's end collects: what was made while it ran ------------------------------
 
-ENGINES = 100  # ended worlds whose engines still live (cycles): a full collection at a world's start
-GROWTH_MB = 8.0  # or the memory grown since the last one (at 32, 300 worlds of the harness left 35 MB)
+ENGINES = 32  # ended worlds whose engines still live (cycles): a full collection at a world's start
+# (the plugin's and the threaded harness's engines; spawn's and the harness's die at the end)
+GROWTH_MB = 8.0  # or the memory grown since the last one (RSS, and CUDA's allocated memory)
 
 # What the interpreter itself froze as it started: CPython 3.12 keeps the immortal base and
 # MRO tuples of its static types there (375 on 3.12.1; none on 3.11 and 3.13). Those are
@@ -165,6 +170,7 @@ _scope_lock = threading.Lock()
 _scopes = 0  # worlds under way in the scope
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
 _epoch = 0  # counts the times they were set aside (a late thaw must not give back a later world's)
+_thaw_pending = False  # whether a world's loop will give them back after FREEZE_SECONDS
 _ended: list[weakref.ref[Any]] = []  # the engines of worlds that ended since that collection
 _memory_then: float | None = None  # the memory after it, MB
 
@@ -196,15 +202,23 @@ def _collect_between_worlds() -> None:
 
 
 @contextlib.contextmanager
-def world_scope(loop: asyncio.AbstractEventLoop | None = None) -> Iterator[Callable[[object], None]]:
+def world_scope(
+    loop: asyncio.AbstractEventLoop | None = None, *, collect: bool = False
+) -> Iterator[Callable[[object], None]]:
     """Around a world's run: a full collection looks only at what was made since it started.
 
     See the module. Enter it before the world's first object is made; leave it after
     ``release()`` ran. It gives ``watch(engine)``: the world's engine, whose life after
     the world decides when a later start collects. On ``loop`` (the world's), the
     objects set aside are given back after ``FREEZE_SECONDS`` if the world still runs.
+
+    ``collect``: for the caller that holds the world (``spawn``, the harness's world) and
+    lets it go before the scope ends: the last scope to end then collects what was made
+    since the first began, the older objects still set aside (milliseconds), so that the
+    world's engine, its reference cycles and what only they keep die then, as a process's
+    would, instead of piling up until a collection between worlds.
     """
-    global _scopes, _froze, _epoch
+    global _scopes, _froze, _epoch, _thaw_pending
     engines: list[object] = []
     thaw: asyncio.TimerHandle | None = None
     with _scope_lock:
@@ -215,19 +229,26 @@ def world_scope(loop: asyncio.AbstractEventLoop | None = None) -> Iterator[Calla
                 _collect_between_worlds()
                 gc.freeze()
                 _epoch += 1
-                if loop is not None:
-                    thaw = loop.call_later(FREEZE_SECONDS, _thaw, _epoch)
+                _thaw_pending = False
+        if _froze and loop is not None and not _thaw_pending:
+            # (the first scope with a loop: spawn's own begins before its loop exists)
+            thaw = loop.call_later(FREEZE_SECONDS, _thaw, _epoch)
+            _thaw_pending = True
         _scopes += 1
     try:
         yield engines.append
     finally:
         if thaw is not None:
-            thaw.cancel()
+            thaw.cancel()  # (on the loop's thread: a world's scope ends on its loop)
         with _scope_lock:
+            if thaw is not None:
+                _thaw_pending = False
             _ended.extend(weakref.ref(e) for e in engines)
             del engines[:]
             _scopes -= 1
             if _scopes == 0 and _froze:
+                if collect:
+                    gc.collect()
                 _froze = False
                 gc.unfreeze()  # back into the oldest generation, as a whole
 

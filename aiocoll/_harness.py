@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from . import _c10d, _procstate, _torch, _watchdog
+from . import _belongings, _c10d, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
 from ._config import WorldConfig, WorldOptions
@@ -285,7 +285,13 @@ class InProcessWorld:
         process, with every thread's stack (``_watchdog``).
         """
         limit = self.deadline + GRACE + _watchdog.MARGIN
-        return under_deadline(limit, self.name, lambda: self._run(rank_main))
+        # the world's engine dies by the scope's collection, a few ms, once it is let go
+        with _belongings.world_scope(collect=True):
+            try:
+                return under_deadline(limit, self.name, lambda: self._run(rank_main))
+            finally:
+                if self.ended:
+                    self._engine = None  # (its statistics were read by then: a report's)
 
     def _run(self, rank_main: Callable[[int], None]) -> WorldEnd:
         self.start(rank_main)

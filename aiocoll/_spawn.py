@@ -8,6 +8,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack, overload
 
+from . import _belongings
 from ._comm import Comm
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SpawnOptions, WorldConfig, WorldOptions, loop_factory
 from ._driver import WorldRun
@@ -96,8 +97,13 @@ def spawn(fn: Callable[[Comm], Any], world: int, **options: Unpack[SpawnOptions]
             "aiocoll.spawn() would block trio's event loop until the world ends; "
             "run it in a worker thread: await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
         )
-    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
-        return runner.run(run.run())
+    # the world's engine dies by the scope's collection, a few ms: this frame lets it go first
+    with _belongings.world_scope(collect=True), asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        try:
+            results = runner.run(run.run())
+        finally:
+            del run
+    return results
 
 
 @overload
@@ -135,7 +141,12 @@ async def spawn_async(fn: Callable[[Comm], Any], world: int, **options: Unpack[W
             "uvloop, including anyio's asyncio backend). From trio, run a world in a worker thread: "
             "await trio.to_thread.run_sync(aiocoll.spawn, fn, world)"
         ) from None
-    return await run.run()
+    with _belongings.world_scope(asyncio.get_running_loop(), collect=True):
+        try:
+            results = await run.run()
+        finally:
+            del run
+    return results
 
 
 def _in_trio() -> bool:

@@ -28,6 +28,10 @@ T = TypeVar("T")
 _SLICE = 0.2  # seconds: how soon a ^C is seen while the caller waits for the world
 
 
+async def _ran() -> Any:
+    raise RuntimeError("this WorldThread has run already")
+
+
 class WorldThread(Generic[T]):
     """Runs ``main()`` on a new loop (``loop``: as ``spawn``'s) on a helper thread.
 
@@ -116,6 +120,12 @@ class WorldThread(Generic[T]):
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
+            with self._lock:
+                # what only the run needed: the task keeps the closed loop (uvloop's: 256 KB)
+                # and ``main`` is often a closure over this thread's owner, a reference cycle
+                # that would keep both alive after the owner is let go, until a collection
+                self._task = None
+                self._main = _ran
             self._done.set()
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ The loops of worlds here run the program ``benchmarks/bench_leftovers.py`` measu
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
 import json
@@ -141,11 +142,11 @@ def test_meshes_that_die_young_cost_no_full_collection(
     # release() once kept the last mesh it looked at alive itself (a name bound in a
     # comprehension lives as long as the function's frame), so the young collection never
     # freed it and every world that made a mesh paid a full collection
-    collections: list[int] = []
+    collections: list[tuple[str, int, bool]] = []  # (who, generation, older objects set aside)
     real = gc.collect
 
     def counting(generation: int = 2) -> int:
-        collections.append(generation)
+        collections.append((sys._getframe(1).f_code.co_name, generation, gc.get_freeze_count() > 0))
         return real(generation)
 
     def meshes(comm: aiocoll.Comm) -> None:
@@ -159,17 +160,19 @@ def test_meshes_that_die_young_cost_no_full_collection(
         aiocoll.spawn(meshes, world=2)
     finally:
         gc.enable()
-    assert collections == [1]  # the young collection freed the meshes
+    # the young collection freed the meshes; then spawn's scope collected what the world
+    # made (its engine), the older objects still set aside: no collection of every object
+    assert collections == [("release", 1, True), ("world_scope", 2, True)]
 
 
 def test_results_keeping_a_worlds_meshes_cost_no_full_collection(
     monkeypatch: pytest.MonkeyPatch, no_start_collection: None
 ) -> None:
-    collections: list[int] = []
+    collections: list[tuple[str, int, bool]] = []  # (who, generation, older objects set aside)
     real = gc.collect
 
     def counting(generation: int = 2) -> int:
-        collections.append(generation)
+        collections.append((sys._getframe(1).f_code.co_name, generation, gc.get_freeze_count() > 0))
         return real(generation)
 
     monkeypatch.setattr(gc, "collect", counting)
@@ -179,7 +182,9 @@ def test_results_keeping_a_worlds_meshes_cost_no_full_collection(
         return distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])  # keeps its mesh, and the mesh its groups
 
     results = aiocoll.spawn(dtensor, world=2)
-    assert 2 not in collections  # every object left is the results': a full collection would free nothing
+    # every object left is the results': release's full collection would free nothing
+    assert ("release", 2, True) not in collections
+    assert all(aside for _, _, aside in collections)  # (spawn's own looks at what the world made only)
     refs = [weakref.ref(r.device_mesh) for r in results]
     del results
     real()
@@ -276,18 +281,21 @@ def no_automatic_collection() -> Iterator[None]:
 @pytest.mark.usefixtures("no_automatic_collection")
 def test_ended_worlds_engines_piling_up_are_collected_at_a_start(monkeypatch: pytest.MonkeyPatch) -> None:
     # set aside by each world's start, garbage made between worlds would pile up in a loop
-    # of worlds, each world's engine first (reference cycles: a few hundred objects and
-    # a uvloop loop of 256 KB): a start collects every generation once ENGINES of them live
+    # of worlds; ended worlds' engines that live on (reference cycles: a few hundred objects
+    # and a uvloop loop of 256 KB; spawn's die as it returns, but a caller may keep one, as
+    # the pytest plugin does) are the sign: a start collects every generation once ENGINES live
     monkeypatch.setattr(_belongings, "GROWTH_MB", float("inf"))
     monkeypatch.setattr(_belongings, "ENGINES", 2)
     monkeypatch.setattr(_belongings, "_ended", [])
     cycles = [_Cycle(None) for _ in range(3)]
     gc.collect()  # alive: moved to the oldest generation (and no collection after this but aiocoll's)
     refs = [weakref.ref(c) for c in cycles]
-    seen = []
+    kept = []
     for ref in refs:
         cycles.pop(0)  # garbage now, between two worlds
-        seen.append(_alive_in_a_world(ref))
+        # (a rank's state, returned, keeps its world's engine)
+        kept += aiocoll.spawn(lambda comm, ref=ref: (current_rank_state(), ref() is not None), world=1)
+    seen = [alive for _, alive in kept]
     assert seen == [True, True, False]  # the third start sees 2 ended worlds' engines: it collects
     assert len(_belongings._ended) == 1  # the engines looked for: the third world's alone, since it ended
 
@@ -303,6 +311,41 @@ def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(mo
     big = _old_garbage(torch.ones(2**23))  # 32 MB
     assert not _alive_in_a_world(big)  # the memory grew: collected first
     assert small() is None
+
+
+@pytest.mark.usefixtures("no_automatic_collection", "no_start_collection")
+@pytest.mark.parametrize("entry", ["spawn", "spawn_async", "harness"])
+def test_a_world_s_engine_dies_when_its_caller_lets_it_go(entry: str) -> None:
+    # an engine is reference cycles (its parts refer to it), which die once the caller lets
+    # it go, after the world's end: spawn and the harness's worlds collect them then, the
+    # older objects still set aside, instead of leaving them to pile up between worlds
+    from aiocoll._harness import InProcessWorld
+
+    engines: list[weakref.ref[Any]] = []
+
+    def rank(_: object) -> None:
+        st = current_rank_state()
+        assert st is not None
+        engines.append(weakref.ref(st.world))
+
+    async def async_rank(comm: aiocoll.Comm) -> None:
+        rank(comm)
+
+    async def main() -> None:
+        await aiocoll.spawn_async(async_rank, world=2)
+
+    for _ in range(2):  # (the first: first-use set-ups)
+        engines.clear()
+        if entry == "spawn":
+            aiocoll.spawn(rank, world=2)
+        elif entry == "spawn_async":
+            asyncio.run(main())
+        else:
+            end = InProcessWorld(2, 60.0, 60.0).run(rank)
+            assert end.error is None, end.error
+    assert len(engines) == 2
+    assert engines[0]() is None  # dead when the call returned, with no collection but aiocoll's
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_world_running_long_gives_the_older_objects_back(monkeypatch: pytest.MonkeyPatch) -> None:
