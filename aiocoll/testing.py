@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _c10d, _continuous, _harness, _torch
+from . import _belongings, _c10d, _continuous, _harness, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
@@ -180,6 +180,8 @@ def _patch() -> None:
 def _unpatch() -> None:
     global _current
     ProcessLocalGroup = _torch.threaded_harness.process_local_group()
+    if _current is not None:
+        _current.scope.close()  # (its world's own scope ends with the world)
     _current = None  # a run cut short by this: its threads keep their world, the next run starts afresh
     _saved.pop("meshes")()
     _torch.threaded_harness.plugins()[_THREADED] = _saved.pop("plugin")
@@ -206,6 +208,9 @@ class _HarnessRun:
         # back when the run ends, as a process's hook goes with it
         self.excepthook = sys.excepthook
         config = WorldConfig(size, timeout=timeout, c10d="off", record=0, sync_ranks="parallel")
+        # entered here, left by _reset once it let the run go: the world's engine dies then (_belongings)
+        self.scope = contextlib.ExitStack()
+        self.scope.enter_context(_belongings.world_scope(collect=True))
         self._run = HostedRun(config)
         self._thread = WorldThread(self._run.run, "auto")
         self._thread.start()
@@ -317,6 +322,8 @@ def _reset(cls: type) -> None:
     harness = sys.modules.get(_HARNESS_MODULE)
     if harness is not None:
         _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
+    scope, run = run.scope, None
+    scope.close()
     warn_unmatched(leftovers, "the test", stacklevel=3)
 
 
