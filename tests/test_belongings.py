@@ -370,7 +370,9 @@ def test_a_world_running_long_gives_the_older_objects_back(monkeypatch: pytest.M
     assert frozen > 0  # set aside as the world started (rank 1 may start later)
     assert thawed
     assert thawed_too
-    assert gc.get_freeze_count() == 0
+    # none set aside (Python 3.12 puts back the immortal tuples it froze at its start on a
+    # full collection of every object, as this world's end was: _STARTUP_FROZEN of them)
+    assert gc.get_freeze_count() in (0, _belongings._STARTUP_FROZEN)
     assert [r() for r in made] == [None, None]  # its end, a full collection now, still freed them
 
 
