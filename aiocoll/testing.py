@@ -211,10 +211,14 @@ class _HarnessRun:
         # entered here, left by _reset once it let the run go: the world's engine dies then (_belongings)
         self.scope = contextlib.ExitStack()
         self.scope.enter_context(_belongings.world_scope(collect=True))
-        self._run = HostedRun(config)
-        self._thread = WorldThread(self._run.run, "auto")
-        self._thread.start()
-        self.world = self._built()
+        try:
+            self._run = HostedRun(config)
+            self._thread = WorldThread(self._run.run, "auto")
+            self._thread.start()
+            self.world = self._built()
+        except BaseException:
+            self.scope.close()  # (no _reset comes for a run that never was)
+            raise
         self.outcome = self._run.outcome
 
     def _built(self) -> World:
@@ -317,13 +321,16 @@ def _reset(cls: type) -> None:
         run, _current = _current, None
     if run is None:
         return
-    leftovers = run.close()  # (what the ranks made is released as its world ends, not in a later test)
-    sys.excepthook = run.excepthook
-    harness = sys.modules.get(_HARNESS_MODULE)
-    if harness is not None:
-        _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
-    scope, run = run.scope, None
-    scope.close()
+    scope = run.scope
+    try:
+        leftovers = run.close()  # (what the ranks made is released as its world ends, not in a later test)
+        sys.excepthook = run.excepthook
+        harness = sys.modules.get(_HARNESS_MODULE)
+        if harness is not None:
+            _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
+    finally:
+        run = None
+        scope.close()
     warn_unmatched(leftovers, "the test", stacklevel=3)
 
 
