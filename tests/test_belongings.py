@@ -136,18 +136,25 @@ def no_start_collection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_belongings, "ENGINES", 2**62)
 
 
+def _counting_collections() -> tuple[list[tuple[str, int, bool]], Any]:
+    """A stand-in for ``gc.collect`` that records (caller, generation, older objects set aside)."""
+    collections: list[tuple[str, int, bool]] = []
+    real = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        collections.append((sys._getframe(1).f_code.co_name, generation, gc.get_freeze_count() > 0))
+        return real(generation)
+
+    return collections, counting
+
+
 def test_meshes_that_die_young_cost_no_full_collection(
     monkeypatch: pytest.MonkeyPatch, no_start_collection: None
 ) -> None:
     # release() once kept the last mesh it looked at alive itself (a name bound in a
     # comprehension lives as long as the function's frame), so the young collection never
     # freed it and every world that made a mesh paid a full collection
-    collections: list[tuple[str, int, bool]] = []  # (who, generation, older objects set aside)
-    real = gc.collect
-
-    def counting(generation: int = 2) -> int:
-        collections.append((sys._getframe(1).f_code.co_name, generation, gc.get_freeze_count() > 0))
-        return real(generation)
+    collections, counting = _counting_collections()
 
     def meshes(comm: aiocoll.Comm) -> None:
         cycle: dict[str, Any] = {"mesh": init_device_mesh("cpu", (comm.world_size,))}
@@ -168,12 +175,8 @@ def test_meshes_that_die_young_cost_no_full_collection(
 def test_results_keeping_a_worlds_meshes_cost_no_full_collection(
     monkeypatch: pytest.MonkeyPatch, no_start_collection: None
 ) -> None:
-    collections: list[tuple[str, int, bool]] = []  # (who, generation, older objects set aside)
+    collections, counting = _counting_collections()
     real = gc.collect
-
-    def counting(generation: int = 2) -> int:
-        collections.append((sys._getframe(1).f_code.co_name, generation, gc.get_freeze_count() > 0))
-        return real(generation)
 
     monkeypatch.setattr(gc, "collect", counting)
 
