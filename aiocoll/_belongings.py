@@ -182,8 +182,9 @@ def _memory_mb() -> float:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         rss = 0
-    # (never initialises CUDA: only a process that uses it has its memory to count)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    # (never initialises CUDA, nor asks the driver for devices at every world's start:
+    # only a process that uses CUDA, so has it initialised, has its memory to count)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         rss += sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
     return rss / 2**20
 
