@@ -58,10 +58,9 @@ def _rank_tensor(rank: int, *shape: int) -> torch.Tensor:
     return torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 100 * rank
 
 
-# -- c10d: collectives through torch.distributed --------------------------------------------------
+class _ThreadedTest(MultiThreadedTestCase):
+    """A MultiThreadedTestCase of WORLD ranks, its threads started in setUp (no tests of its own)."""
 
-
-class C10dCollectives(MultiThreadedTestCase):
     @property
     def world_size(self) -> int:
         return WORLD
@@ -70,6 +69,11 @@ class C10dCollectives(MultiThreadedTestCase):
         super().setUp()
         self._spawn_threads()
 
+
+# -- c10d: collectives through torch.distributed --------------------------------------------------
+
+
+class C10dCollectives(_ThreadedTest):
     def test_all_reduce_sum(self) -> None:
         for shape in ((1,), (3, 3), (64, 64)):
             t = _rank_tensor(self.rank, *shape)
@@ -227,15 +231,7 @@ class C10dWrapped(TestCase):
 # -- funcol: functional collectives ---------------------------------------------------------------
 
 
-class FunctionalCollectives(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return WORLD
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class FunctionalCollectives(_ThreadedTest):
     def test_all_reduce_group(self) -> None:
         y = funcol.all_reduce(torch.full((4,), float(self.rank)), "sum", dist.group.WORLD)
         self.assertEqual(y, torch.full((4,), 6.0))
