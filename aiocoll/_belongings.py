@@ -72,7 +72,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _torch
+from . import _patches, _torch
 
 __all__ = ["Belongings", "Kind", "world_scope"]
 
@@ -167,7 +167,7 @@ _STARTUP_FROZEN = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 
 FREEZE_SECONDS = 2.0
 
 _scope_lock = threading.Lock()
-_scopes = 0  # worlds under way in the scope
+_collect_last = False  # whether the last scope to end collects before giving the objects back
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
 _epoch = 0  # counts the times they were set aside (a late thaw must not give back a later world's)
 _thaw_pending = False  # whether a world's loop will give them back after FREEZE_SECONDS
@@ -219,23 +219,15 @@ def world_scope(
     world's engine, its reference cycles and what only they keep die then, as a process's
     would, instead of piling up until a collection between worlds.
     """
-    global _scopes, _froze, _epoch, _thaw_pending
+    global _thaw_pending, _collect_last
     engines: list[object] = []
     thaw: asyncio.TimerHandle | None = None
     with _scope_lock:
-        if _scopes == 0:
-            # someone else's frozen objects: gc.unfreeze() at the end would release them too
-            _froze = gc.get_freeze_count() in (0, _STARTUP_FROZEN)  # (a walk of the permanent generation)
-            if _froze:
-                _collect_between_worlds()
-                gc.freeze()
-                _epoch += 1
-                _thaw_pending = False
+        _patches.acquire(SET_ASIDE)  # (the first scope sets the older objects aside)
         if _froze and loop is not None and not _thaw_pending:
             # (the first scope with a loop: spawn's own begins before its loop exists)
             thaw = loop.call_later(FREEZE_SECONDS, _thaw, _epoch)
             _thaw_pending = True
-        _scopes += 1
     try:
         yield engines.append
     finally:
@@ -246,12 +238,40 @@ def world_scope(
                 _thaw_pending = False
             _ended.extend(weakref.ref(e) for e in engines)
             del engines[:]
-            _scopes -= 1
-            if _scopes == 0 and _froze:
-                if collect:
-                    gc.collect()
-                _froze = False
-                gc.unfreeze()  # back into the oldest generation, as a whole
+            _collect_last = collect  # (what the last scope to end asks for is what its release does)
+            _patches.release(SET_ASIDE)
+
+
+def _set_aside() -> Callable[[], None]:
+    """The first scope: the older objects set aside, unless someone else froze objects already."""
+    global _froze, _epoch, _thaw_pending
+    # someone else's frozen objects: gc.unfreeze() at the end would release them too
+    _froze = gc.get_freeze_count() in (0, _STARTUP_FROZEN)  # (a walk of the permanent generation)
+    if _froze:
+        _collect_between_worlds()
+        gc.freeze()
+        _epoch += 1
+        _thaw_pending = False
+    return _give_back
+
+
+def _give_back() -> None:
+    """The last scope ended: collect what was made meanwhile (if it asks), then give the older objects back."""
+    global _froze
+    if _froze:
+        if _collect_last:
+            gc.collect()
+        _froze = False
+        gc.unfreeze()  # back into the oldest generation, as a whole
+
+
+SET_ASIDE = _patches.PatchSet(
+    "older objects set aside",
+    "while worlds run, the objects older than the first are frozen (gc.freeze), so that a world's end "
+    "collects only what was made since (milliseconds, not a full collection)",
+    lambda key: [_patches.Step("gc.freeze", _set_aside)],
+    ["gc.freeze"],
+)
 
 
 def _thaw(epoch: int) -> None:

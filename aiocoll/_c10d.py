@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.constants as dist_constants
 
-from . import _monitored, _procstate, _torch
+from . import _monitored, _patches, _procstate, _torch
 from ._belongings import Belongings, Kind
 from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
@@ -66,39 +66,25 @@ BACKEND = "aiocoll"
 
 # -- per-rank torch.distributed state (the mechanism lives in _torch) ------------------
 
-_install_lock = threading.Lock()
-_installed = 0
-_patch: contextlib.ExitStack | None = None
+
+def _c10d_changes(key: object) -> list[_patches.Change]:
+    return _torch.c10d_changes(
+        _name_suffix,
+        _mesh_made,
+        lambda pg: isinstance(pg, AiocollProcessGroup),
+        _store_made,
+        _procstate.stepped_out,
+        _own_device,
+    )
 
 
-def install() -> None:
-    """Swap in per-rank c10d state and its patches; counted, undone by uninstall()."""
-    global _installed, _patch
-    with _install_lock:
-        if _installed == 0:
-            stack = contextlib.ExitStack()
-            stack.enter_context(
-                _torch.patched_c10d(
-                    _name_suffix,
-                    _mesh_made,
-                    lambda pg: isinstance(pg, AiocollProcessGroup),
-                    _store_made,
-                    _procstate.stepped_out,
-                    _own_device,
-                )
-            )
-            _patch = stack
-        _installed += 1
-
-
-def uninstall() -> None:
-    global _installed, _patch
-    with _install_lock:
-        _installed -= 1
-        if _installed == 0 and _patch is not None:
-            stack = _patch
-            _patch = None
-            stack.close()
+PER_RANK_C10D = _patches.PatchSet(
+    "torch.distributed per rank",
+    "each rank has its own c10d state (default group, groups, names), its meshes and stores are its "
+    "world's, group.WORLD read by an import is the process's, DeviceMesh sets each rank's CUDA device",
+    _c10d_changes,
+    _torch.C10D_TARGETS,
+)
 
 
 _SUFFIX = "~aiocoll"

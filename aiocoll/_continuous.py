@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from . import _procstate, _torch, _watchdog
+from . import _patches, _procstate, _torch, _watchdog
 from ._engine import RankState, current_rank_state
 from ._harness import GRACE, FakeProcess, InProcessWorld, Settings, exit_code, pause, rank_class
 from ._outcome import echoes_abort
@@ -134,6 +134,18 @@ class _Worker(FakeProcess):
         self._owner.join(self._rank, timeout)
 
 
+_CLASS_ATTRS = ("processes", "task_queues", "completion_queues", "rdvz_file")
+
+CLASS_LISTS_KEPT = _patches.PatchSet(
+    "continuous test's lists kept",
+    "torch's _spawn_processes sets a MultiProcContinuousTest class's workers and queues; where its real "
+    "workers start after all, the in-process ones stay on the class",
+    lambda cls: [_patches.Attr.kept(cls, name) for name in _CLASS_ATTRS],
+    [f"*.{name}" for name in _CLASS_ATTRS],
+    per="run",
+)
+
+
 class _RealWorkers:
     """torch's own continuous workers for one class: real processes, each with its group made once.
 
@@ -142,24 +154,15 @@ class _RealWorkers:
     processes, runs on them, as it would under torch's harness.
     """
 
-    _CLASS_ATTRS = ("processes", "task_queues", "completion_queues", "rdvz_file")
-
     def __init__(self, cls: type, size: int, spawn: Callable[[type, int], None]) -> None:
         # torch's _spawn_processes sets its lists on the class; the main process keeps
         # talking to the in-process ones there, so they are put back
-        saved = {name: cls.__dict__[name] for name in self._CLASS_ATTRS if name in cls.__dict__}
-        try:
+        with _patches.lease(CLASS_LISTS_KEPT, cls):
             spawn(cls, size)
             self.processes: list[Any] = list(cls.processes)  # type: ignore[attr-defined]
             self.tasks: list[Any] = list(cls.task_queues)  # type: ignore[attr-defined]
             self.completions: list[Any] = list(cls.completion_queues)  # type: ignore[attr-defined]
             self.rdvz_file: str = cls.rdvz_file  # type: ignore[attr-defined]
-        finally:
-            for name in self._CLASS_ATTRS:
-                if name in saved:
-                    setattr(cls, name, saved[name])
-                elif name in cls.__dict__:
-                    delattr(cls, name)
         self._joined: set[int] = set()
 
     def run(self, test_id: str, timeout: float) -> list[Any]:

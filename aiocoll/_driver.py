@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from . import _belongings, _c10d, _frdump, _torch, _watchdog
+from . import _belongings, _c10d, _frdump, _patches, _torch, _watchdog
 from ._comm import Comm
 from ._config import WorldConfig
 from ._engine import RankState, World, install_task_tracking, rank_var
@@ -147,7 +147,7 @@ class WorldRun:
             store = dist.HashStore()  # type: ignore[attr-defined]
             self._sessions = [_c10d.RankSession(st, store, init=c10d == "init") for st in w.ranks]
             _torch.prepare_for_rank_threads()  # before install(): a failure here leaves nothing to undo
-            _c10d.install()
+            _patches.acquire(_c10d.PER_RANK_C10D)
             stack.callback(self._end_sessions)
         stack.callback(install_task_tracking(loop))
         stack.enter_context(_watchdog.fatal_errors_reported())  # a crash in C code prints each rank's stack
@@ -159,7 +159,7 @@ class WorldRun:
         for session in self._sessions:
             assert session is not None
             session.finish()
-        _c10d.uninstall()
+        _patches.release(_c10d.PER_RANK_C10D)
 
     # -- running the ranks ----------------------------------------------------------------
 

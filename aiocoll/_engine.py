@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _cuda, _tasks
+from . import _cuda, _patches, _tasks
 from ._deadlines import Deadlines
 from ._errors import (
     AiocollError,
@@ -939,10 +939,20 @@ def rank_var() -> contextvars.ContextVar[RankState | None]:
     return _rank_var
 
 
+TASK_TRACKING = _patches.PatchSet(
+    "task tracking",
+    "a world's loop makes its tasks through the engine's task factory, which counts the tasks each async "
+    "rank starts (and calls the factory it found)",
+    lambda loop: [_patches.Step("loop.set_task_factory", lambda: _tasks.install(loop, _current_tasks))],  # type: ignore[arg-type]
+    ["loop.set_task_factory"],
+    per="loop",
+)
+
+
 def install_task_tracking(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
-    """Track tasks created by ranks on ``loop``; returns the undo."""
-    _tasks.install(loop, _current_tasks)
-    return lambda: _tasks.uninstall(loop)
+    """Track tasks created by ranks on ``loop`` (leased per loop); returns the undo."""
+    _patches.acquire(TASK_TRACKING, loop)
+    return lambda: _patches.release(TASK_TRACKING, loop)
 
 
 def _current_tasks() -> RankTasks | None:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from . import _belongings, _c10d, _procstate, _torch, _watchdog
+from . import _belongings, _c10d, _patches, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
 from ._config import WorldConfig, WorldOptions
@@ -210,7 +210,14 @@ def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | No
 
 
 _here = _Here()
-_process_state = _procstate.ProcessState(lambda: _torch.process_harness.suite_barrier(_suite_barrier))
+SUITE_BARRIER = _patches.PatchSet(
+    "torch's suite barrier",
+    "each harness rank counts the barriers of torch's own multi-process suite (distributed_test.py) as its "
+    "process would (nothing where that suite is not loaded)",
+    lambda key: [_patches.Attr(o, n, v) for o, n, v in _torch.process_harness.suite_barrier(_suite_barrier)],
+    ["*Barrier.sync"],  # (torch.testing._internal.distributed.distributed_test.Barrier)
+)
+_process_state = _procstate.ProcessState(SUITE_BARRIER)
 
 
 @dataclass(frozen=True)
@@ -554,6 +561,15 @@ def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | N
         )
     world.initialised.add(rank)
     return world.store, rank, world_size
+
+
+STEERED_INIT = _patches.PatchSet(
+    "steered c10d init",
+    "in a rank that stands for a process (the process harness, aiocoll run, mp.spawn in it), the groups "
+    "c10d makes for gloo, nccl... are aiocoll's, and init_method's rendezvous is the world's own store",
+    lambda key: _torch.process_harness.init_changes(group_backend, rendezvous),
+    _torch.process_harness.INIT_TARGETS,
+)
 
 
 def _own_failure(e: BaseException) -> bool:

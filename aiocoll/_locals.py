@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import _torch
+from . import _patches, _torch
 from ._carry import carry
 
 __all__ = ["RankLocals", "carried"]
@@ -145,58 +145,37 @@ def _bound_to(module: ModuleType, instance: object) -> list[str]:
     return [n for n, v in vars(module).items() if getattr(v, "__self__", None) is instance]
 
 
-class _Dispatch:
-    """Replaces a module's functions bound to its global instance by per-rank dispatchers.
+def _dispatchers(module: ModuleType, instance: object, extra: dict[str, str], key: str) -> list[_patches.Attr]:
+    """The changes that make ``module``'s functions bound to its global instance draw from the calling rank's.
 
-    Counted: the first world that needs it installs it, the last one to end removes it.
+    ``key``: which instances of a ``RankLocals`` they read. Functions that are not bound
+    methods but reach the global instance inside (numpy's ``seed``) are in ``extra``,
+    dispatched to the method of the same role.
     """
+    names = {n: n for n in _bound_to(module, instance)} | extra
+    return [
+        _patches.Attr(module, name, _dispatcher(getattr(module, name), name, method, key))
+        for name, method in names.items()
+    ]
 
-    def __init__(self, module: ModuleType, instance: object, extra: dict[str, str], key: str) -> None:
-        self.module = module
-        self.instance = instance
-        self.key = key  # which instance of a RankLocals this dispatch reads
-        # functions that are not bound methods but reach the global instance inside
-        # (numpy's seed) dispatch to the method of the same role
-        self.names = {n: n for n in _bound_to(module, instance)} | extra
-        self.saved: dict[str, Any] = {}
-        self.count = 0
 
-    def install(self) -> None:
-        self.count += 1
-        if self.count > 1:
-            return
-        for name, method in self.names.items():
-            self.saved[name] = getattr(self.module, name)
-            setattr(self.module, name, self._dispatcher(name, method))
+def _dispatcher(fallback: Callable[..., Any], name: str, method: str, key: str) -> Callable[..., Any]:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        bound: tuple[RankLocals, int] | None = getattr(_bound, "rank", None)
+        if bound is None:  # not a rank thread of a world with per-rank generators
+            return fallback(*args, **kwargs)
+        instances = getattr(bound[0], key)
+        if not instances:  # numpy imported since the rank last took its turn
+            return fallback(*args, **kwargs)
+        inst = instances[bound[1]]
+        if inst is None:  # made on the rank's first use: a world starts without W of them
+            inst = bound[0].make(key, bound[1])
+        return getattr(inst, method)(*args, **kwargs)
 
-    def uninstall(self) -> None:
-        self.count -= 1
-        if self.count:
-            return
-        for name, fn in self.saved.items():
-            setattr(self.module, name, fn)
-        self.saved.clear()
-
-    def _dispatcher(self, name: str, method: str) -> Callable[..., Any]:
-        fallback = self.saved[name]
-        key = self.key
-
-        def dispatch(*args: Any, **kwargs: Any) -> Any:
-            bound: tuple[RankLocals, int] | None = getattr(_bound, "rank", None)
-            if bound is None:  # not a rank thread of a world with per-rank generators
-                return fallback(*args, **kwargs)
-            instances = getattr(bound[0], key)
-            if not instances:  # numpy imported since the rank last took its turn
-                return fallback(*args, **kwargs)
-            inst = instances[bound[1]]
-            if inst is None:  # made on the rank's first use: a world starts without W of them
-                inst = bound[0].make(key, bound[1])
-            return getattr(inst, method)(*args, **kwargs)
-
-        dispatch.__name__ = dispatch.__qualname__ = name
-        dispatch.__doc__ = getattr(fallback, "__doc__", None)
-        dispatch.__wrapped__ = fallback  # type: ignore[attr-defined]
-        return dispatch
+    dispatch.__name__ = dispatch.__qualname__ = name
+    dispatch.__doc__ = getattr(fallback, "__doc__", None)
+    dispatch.__wrapped__ = fallback  # type: ignore[attr-defined]
+    return dispatch
 
 
 # which (RankLocals, rank) the calling thread runs, set by bind() in each rank thread
@@ -213,9 +192,28 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     return contextlib.nullcontext if bound is None else carry(_bound, rank=bound)
 
 
-_dispatch_lock = threading.Lock()
-_python_dispatch = _Dispatch(random, random._inst, {}, "python")
-_numpy_dispatch: _Dispatch | None = None  # made when numpy is first seen imported
+RANDOM = _patches.PatchSet(
+    "random per rank",
+    "random's module functions draw from the calling sync rank's own random.Random",
+    lambda key: _dispatchers(random, random._inst, {}, "python"),
+    ["random.*"],
+)
+
+
+def _numpy_dispatchers(key: object) -> list[_patches.Attr]:
+    nr = _numpy_random()
+    if nr is None:
+        return []
+    extra = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
+    return _dispatchers(nr, nr.mtrand._rand, {k: v for k, v in extra.items() if hasattr(nr, k)}, "numpy")
+
+
+NUMPY_RANDOM = _patches.PatchSet(
+    "numpy.random per rank",
+    "numpy.random's module functions draw from the calling sync rank's own RandomState (once numpy is imported)",
+    _numpy_dispatchers,
+    ["numpy.random.*"],
+)
 
 
 def _numpy_random() -> ModuleType | None:
@@ -264,25 +262,18 @@ class RankLocals:
         self.numpy: list[Any] = []
         self._numpy_installed = False
         self._closed = False
-        with _dispatch_lock:
-            _python_dispatch.install()
+        _patches.acquire(RANDOM)
         self._track_numpy()
 
     def _track_numpy(self) -> None:
         """Give each rank its own NumPy global generator, once numpy is imported."""
-        global _numpy_dispatch
         nr = _numpy_random()
         if nr is None or self._numpy_installed:
             return
         glob = nr.mtrand._rand
         self._initial["numpy"] = glob.get_state()
         self.numpy = [None] * self.size
-        with _dispatch_lock:
-            if _numpy_dispatch is None:
-                extra = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
-                extra = {k: v for k, v in extra.items() if hasattr(nr, k)}
-                _numpy_dispatch = _Dispatch(nr, glob, extra, "numpy")
-            _numpy_dispatch.install()
+        _patches.acquire(NUMPY_RANDOM)
         self._numpy_installed = True
 
     def make(self, key: str, rank: int) -> Any:
@@ -339,10 +330,9 @@ class RankLocals:
         if self._caller_cuda and len(gens) == len(self._caller_cuda):
             for g, st in zip(gens, self._caller_cuda, strict=True):
                 g.set_state(st)
-        with _dispatch_lock:
-            _python_dispatch.uninstall()
-            if self._numpy_installed and _numpy_dispatch is not None:
-                _numpy_dispatch.uninstall()
+        if self._numpy_installed:
+            _patches.release(NUMPY_RANDOM)
+        _patches.release(RANDOM)
 
     def __repr__(self) -> str:
         return f"<RankLocals size={self.size} loaded={self._loaded} numpy={self._numpy_installed}>"

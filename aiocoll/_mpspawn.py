@@ -21,6 +21,7 @@ give). ``start_processes`` too; ``join=False`` returns a context whose ``join()`
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from . import _harness, _outcome, _rankmain, _runlogs
+from . import _harness, _outcome, _patches, _rankmain, _runlogs
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -165,20 +166,40 @@ class Starter:
     spawn = start_processes  # (torch's two take the same arguments; spawn calls start_processes)
 
 
-_SPAWNERS = ("spawn", "start_processes")
+_starters: list[Starter] = []  # the runs under way (aiocoll run's), innermost last
+
+
+def _spawner(name: str) -> Callable[..., SpawnedContext | None]:
+    real = getattr(mp, name)
+
+    @functools.wraps(real)
+    def start(*args: Any, **kwargs: Any) -> SpawnedContext | None:
+        if not _starters:  # (installed, but the run that leased it ended in another thread)
+            result: SpawnedContext | None = real(*args, **kwargs)
+            return result
+        starter = _starters[-1]
+        return starter.spawn(*args, **kwargs) if name == "spawn" else starter.start_processes(*args, **kwargs)
+
+    return start
+
+
+MP_SPAWN = _patches.PatchSet(
+    "torch.multiprocessing.spawn",
+    "torch.multiprocessing.spawn and start_processes start aiocoll ranks in this process (aiocoll run)",
+    # (torch.multiprocessing's public names, though its stubs do not re-export them)
+    lambda key: [_patches.Attr(mp, name, _spawner(name)) for name in ("spawn", "start_processes")],
+    ["torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"],
+)
 
 
 @contextlib.contextmanager
 def spawned_ranks(timeout: float | None, deadline: float) -> Iterator[Starter]:
     """While the block runs, ``torch.multiprocessing.spawn`` and ``start_processes`` start aiocoll ranks."""
     starter = Starter(timeout, deadline)
-    # (torch.multiprocessing's public names, though its stubs do not re-export them)
-    saved = {name: getattr(mp, name) for name in _SPAWNERS}
-    for name in _SPAWNERS:
-        setattr(mp, name, getattr(starter, name))
+    _starters.append(starter)
     try:
-        yield starter
+        with _patches.lease(MP_SPAWN):
+            yield starter
     finally:
-        for name, fn in saved.items():
-            setattr(mp, name, fn)
+        _starters.remove(starter)
         starter.finish()

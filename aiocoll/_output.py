@@ -14,9 +14,10 @@ import io
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any, TextIO
 
+from . import _patches
 from ._engine import current_rank_state
 
 __all__ = ["prefixed_output"]
@@ -65,9 +66,7 @@ class _PrefixingStream(io.TextIOBase):
         return self._inner.encoding
 
 
-@contextlib.contextmanager
-def prefixed_output() -> Iterator[None]:
-    """Prefix the ranks' prints and log messages with ``[rank N]`` while in effect."""
+def _record_factory() -> Callable[[], None]:
     old_factory = logging.getLogRecordFactory()
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
@@ -78,12 +77,22 @@ def prefixed_output() -> Iterator[None]:
             record.aiocoll_rank = st.rank
         return record
 
-    out, err = sys.stdout, sys.stderr
-    sys.stdout = _PrefixingStream(out)
-    sys.stderr = _PrefixingStream(err)
     logging.setLogRecordFactory(factory)
-    try:
-        yield
-    finally:
-        logging.setLogRecordFactory(old_factory)
-        sys.stdout, sys.stderr = out, err
+    return lambda: logging.setLogRecordFactory(old_factory)
+
+
+PREFIXES = _patches.PatchSet(
+    "rank prefixes",
+    "what a rank prints or logs starts with [rank N] (spawn(..., prefix_output=True))",
+    lambda key: [
+        _patches.Attr(sys, "stdout", _PrefixingStream(sys.stdout)),
+        _patches.Attr(sys, "stderr", _PrefixingStream(sys.stderr)),
+        _patches.Step("logging.setLogRecordFactory", _record_factory),
+    ],
+    ["sys.stdout", "sys.stderr", "logging.setLogRecordFactory"],
+)
+
+
+def prefixed_output() -> contextlib.AbstractContextManager[None]:
+    """Prefix the ranks' prints and log messages with ``[rank N]`` while in effect (worlds share one install)."""
+    return _patches.lease(PREFIXES)

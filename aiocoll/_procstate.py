@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch.distributed as dist
 import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
 
-from . import _locals, _rankmain, _runlogs, _torch
+from . import _locals, _patches, _rankmain, _runlogs, _torch
 from ._carry import carry
 from ._logstate import RankLogging, descriptors
 from ._paths import PACKAGE_DIR
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from ._torch import Store
 
 __all__ = [
+    "RANK_PROCESSES",
     "Cooperative",
     "NeedsProcess",
     "ProcessOnly",
@@ -587,50 +588,87 @@ class RankThreads:
         return [(threading.Thread, "start", start), (ThreadPoolExecutor, "submit", submit)]
 
 
-class ProcessState:
-    """Installs ``RankEnviron`` and ``ProcessOnly`` while harness worlds run (counted)."""
+def _rank_process_changes(key: object) -> list[_patches.Change]:
+    patches: list[Patch] = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
+    patches += ProcessOnly.wrappers()
+    patches += RankExit.wrappers()
+    patches += Cooperative.wrappers()
+    patches += descriptors(_rank_logging)
+    patches += RankThreads.wrappers()
+    changes: list[_patches.Change] = [_patches.Attr(owner, name, fn) for owner, name, fn in patches]
+    changes.append(_patches.Step("sys.meta_path", _insert_finder))
+    return changes
 
-    def __init__(self, more: Callable[[], list[Patch]] = list) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-        self._saved: list[tuple[object, str, object]] = []
-        self._finder = OnePerProcess()
-        self._more = more  # the harness's own patches, looked for as each first world starts
+
+def _insert_finder() -> Callable[[], str | None]:
+    finder = OnePerProcess()
+    sys.meta_path.insert(0, finder)  # (in place: finders others add meanwhile stay)
+
+    def undo() -> str | None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        return None
+
+    return undo
+
+
+RANK_PROCESSES = _patches.PatchSet(
+    "rank processes",
+    "a harness rank's os.environ, atexit, logging configuration and threads are its own; calls only a "
+    "process can make, and importing a library kept once per process, raise NeedsProcess; time.sleep and "
+    "a store's waits let the other ranks run",
+    _rank_process_changes,
+    [
+        "os._Environ.*",
+        "os.getpid",
+        "os._exit",
+        "os.abort",
+        "os.kill",
+        "signal.*",
+        "atexit.*",
+        "time.sleep",
+        "*.ProcessGroupGloo.__init__",
+        "*.Store.get",
+        "*.Store.wait",
+        "*.Store.multi_get",
+        "*.Store.barrier",
+        "*.Store.queue_pop",
+        "torch.distributed.rpc.init_rpc",
+        "torch.autograd.profiler.profile._prepare_trace",
+        "torch.nn.parallel.distributed.DistributedDataParallel._get_ddp_logging_data",
+        "logging.Logger.*",
+        "logging.Manager.*",
+        "threading.Thread.start",
+        "concurrent.futures.thread.ThreadPoolExecutor.submit",
+        "sys.meta_path",
+    ],
+)
+
+
+class ProcessState:
+    """Installs ``RANK_PROCESSES`` (and ``more``, the harness's own set) while harness worlds run (leased)."""
+
+    def __init__(self, more: _patches.PatchSet | None = None) -> None:
+        self._more = more
 
     def enter(self) -> None:
-        with self._lock:
-            self._count += 1
-            if self._count > 1:
-                return
-            patches: list[Patch] = [(_Environ, name, fn) for name, fn in _environ_methods().items()]
-            patches += ProcessOnly.wrappers()
-            patches += RankExit.wrappers()
-            patches += Cooperative.wrappers()
-            patches += descriptors(_rank_logging)
-            patches += RankThreads.wrappers()
-            patches += self._more()
-            for owner, name, fn in patches:
-                # (a logger's attributes are its instances' alone until then: nothing to put back)
-                self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
-                setattr(owner, name, fn)
-            sys.meta_path.insert(0, self._finder)  # (in place: finders others add meanwhile stay)
+        _patches.acquire(RANK_PROCESSES)
+        if self._more is not None:
+            try:
+                _patches.acquire(self._more)
+            except BaseException:
+                _patches.release(RANK_PROCESSES)
+                raise
 
     def exit(self) -> None:
-        with self._lock:
-            self._count -= 1
-            if self._count:
-                return
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self._finder)
-            for owner, name, real in reversed(self._saved):
-                if real is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, real)
-            self._saved.clear()
+        try:
+            if self._more is not None:
+                _patches.release(self._more)
+        finally:
+            _patches.release(RANK_PROCESSES)
 
     def __repr__(self) -> str:
-        return f"<ProcessState worlds={self._count}>"
+        return f"<ProcessState more={self._more!r}>"
 
 
 def snapshot_environ() -> dict[str, str]:

@@ -30,13 +30,14 @@ import time
 import traceback
 import types
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from types import CodeType
 from typing import NamedTuple
 
 import torch
 
-from . import _harness, _mpspawn, _rankmain, _runlogs, _torch
+from . import _harness, _mpspawn, _patches, _rankmain, _runlogs, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
 from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
@@ -155,17 +156,59 @@ def _raise_signalled(signum: int, frame: object) -> None:
     raise _Signalled(signum)
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def _sigterm_handler() -> Callable[[], str | None]:
     """SIGTERM interrupts the run as ^C does (torchrun's agent treats both alike)."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # (only the main thread may install handlers: main() called from a thread)
-        return
+        return lambda: None  # (only the main thread may install handlers: main() called from a thread)
     saved = signal.signal(signal.SIGTERM, _raise_signalled)
-    try:
-        yield
-    finally:
+
+    def undo() -> str | None:
+        now = signal.getsignal(signal.SIGTERM)
+        if now is not _raise_signalled:  # (the script's own, or a library's, installed since)
+            return f"replaced by {now!r} during the run"
         signal.signal(signal.SIGTERM, saved)
+        return None
+
+    return undo
+
+
+@dataclass(frozen=True, eq=False)
+class _Script:
+    """What the process shows of the script a run runs (one run's; compared by identity)."""
+
+    argv: list[str]
+    directory: str  # put first on sys.path
+    mains: _rankmain.MainByRank  # sys.modules["__main__"]: each rank's script module
+
+
+def _script_changes(script: Hashable) -> list[_patches.Change]:
+    assert isinstance(script, _Script)
+
+    def path_first() -> Callable[[], None]:
+        saved = list(sys.path)
+        sys.path.insert(0, script.directory)  # as `python script.py` and `python -m` put it first
+
+        def undo() -> None:
+            sys.path[:] = saved  # (whatever the script added goes too)
+
+        return undo
+
+    return [
+        _patches.Attr(sys, "argv", script.argv, restore="always"),  # (the script may assign its own)
+        _patches.Step("sys.path", path_first),
+        _patches.Item(sys.modules, "__main__", script.mains, "sys.modules"),
+        _patches.Step("signal.signal(SIGTERM)", _sigterm_handler),
+    ]
+
+
+SCRIPT = _patches.PatchSet(
+    "aiocoll run's script",
+    "while aiocoll run runs a script: its sys.argv, its directory first on sys.path, each rank's own "
+    "__main__, and SIGTERM interrupting the run as ^C does",
+    _script_changes,
+    ["sys.argv", "sys.path", "sys.modules['__main__']", "signal.signal(SIGTERM)"],
+    per="run",
+)
 
 
 def _nproc(value: str) -> int:
@@ -269,7 +312,7 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     once, as torchrun's workers do when it stops them, without the interpreter's clean-up
     (about 0.8 s with torch loaded) and without waiting for ranks left running.
     """
-    with _collection_paused():
+    with _patches.lease(PARSING):
         args = parser().parse_args(argv)
     try:
         size = _size(args)
@@ -295,47 +338,41 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
             traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
             return 1
     script_dir = os.path.dirname(os.path.abspath(args.training_script)) if not args.module else os.getcwd()
-    saved_argv, saved_path, saved_main = sys.argv, list(sys.path), sys.modules["__main__"]
-    sys.argv = [args.training_script, *args.training_script_args]
-    sys.path.insert(0, script_dir)  # as `python script.py` and `python -m` put it first
-    mains = _rankmain.MainByRank(saved_main)
-    sys.modules["__main__"] = mains
-    try:
-        with _sigterm_interrupts(), _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned:
-            for restart in range(args.max_restarts + 1):
-                with _runlogs.routed_output(logs, run_dir, restart, size) as attempt_dir:
-                    rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv, mains)
-                    code = _run_once(args, rank_main, size, spawned)
-                if code is None:  # interrupted: no restart; 1 as torchrun's
-                    if exit_when_interrupted:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                        os._exit(1)
-                    return 1
-                if code == 0 or restart == args.max_restarts:
-                    return code
-                print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
-        return 1  # (not reached)
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        sys.modules["__main__"] = saved_main
+    mains = _rankmain.MainByRank(sys.modules["__main__"])
+    script = _Script([args.training_script, *args.training_script_args], script_dir, mains)
+    with (
+        _patches.lease(SCRIPT, script),
+        _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned,
+    ):
+        for restart in range(args.max_restarts + 1):
+            with _runlogs.routed_output(logs, run_dir, restart, size) as attempt_dir:
+                rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv, mains)
+                code = _run_once(args, rank_main, size, spawned)
+            if code is None:  # interrupted: no restart; 1 as torchrun's
+                if exit_when_interrupted:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(1)
+                return 1
+            if code == 0 or restart == args.max_restarts:
+                return code
+            print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
+    return 1  # (not reached)
 
 
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """The garbage collector off while torchrun's parser is imported and read; on again after, if it was.
-
-    Why: with torch loaded, the objects that import makes set off full collections, each a walk
-    over all of torch's objects: they were 0.14 s of the import's 0.18 s, most of ``aiocoll
-    run``'s own start-up (``benchmarks/bench_run.py``). The ranks run with the collector as found.
-    """
+def _collector_off() -> Callable[[], None]:
     was = gc.isenabled()
     gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+    return gc.enable if was else lambda: None
+
+
+PARSING = _patches.PatchSet(
+    "collector paused",
+    "the garbage collector off while aiocoll run imports and reads torchrun's parser: with torch loaded, the "
+    "objects that import makes set off full collections (0.14 s of its 0.18 s); the ranks run with it as found",
+    lambda key: [_patches.Step("gc.disable", _collector_off)],
+    ["gc.disable"],
+)
 
 
 def _call_site(e: BaseException, script: str) -> str:
@@ -369,7 +406,7 @@ def _run_once(
     }
     started = time.time()
     _torch.prepare_for_rank_threads()
-    with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):
+    with _patches.lease(_harness.STEERED_INIT):
         try:
             end = world.run(rank_main)
             spawned.finish()  # (ranks the script started and left running end before its groups do)

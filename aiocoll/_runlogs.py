@@ -33,6 +33,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from . import _patches
 from ._carry import carry
 
 __all__ = ["LogsSpec", "Std", "carried", "rank_of_output", "routed_output"]
@@ -290,11 +291,18 @@ def routed_output(spec: LogsSpec, run_dir: str, attempt: int, size: int) -> Iter
                     sinks[r].append(_FilteredSink(filtered, spec.prefix(r), needles))
             routers.append(_Router(console, sinks))
             files.callback(routers[-1].close_sinks)
-        saved = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = routers[0], routers[1]
         try:
-            yield attempt_dir
+            with _patches.lease(ROUTED, (routers[0], routers[1])):
+                yield attempt_dir
         finally:
-            sys.stdout, sys.stderr = saved
             for router in routers:  # (flushed now, while the rank files are open: its finalizer would later)
                 router.close()
+
+
+ROUTED = _patches.PatchSet(
+    "aiocoll run's output",
+    "what each rank prints goes where --redirects, --tee and --local-ranks-filter send it",
+    lambda routers: [_patches.Attr(sys, "stdout", routers[0]), _patches.Attr(sys, "stderr", routers[1])],  # type: ignore[index]
+    ["sys.stdout", "sys.stderr"],
+    per="run",
+)

@@ -13,8 +13,9 @@ keeps the counts (``live``, ``parked``). Two kinds of task need more than the ra
   of the rank (``_park_gatherers``), so a deadlock there is reported at once.
 
 The factory's states (``_Factory``, one per loop): installed by the first world on a loop
-and removed by the last (``worlds``); it calls the factory it found (``prev``: None is
-``asyncio.Task``); a factory a rank set and left on the loop as its world ended may wrap
+and removed by the last (the engine leases it per loop: ``_engine.TASK_TRACKING``); it
+calls the factory it found (``prev``: None is ``asyncio.Task``); a factory a rank set and
+left on the loop as its world ended may wrap
 this one (``left``), and a later world then calls it, which calls this one back
 (``guard``, with ``depth`` calls under way, each made as the loop did before: ``base``).
 """
@@ -34,7 +35,7 @@ from ._stats import Phase
 if TYPE_CHECKING:
     from ._engine import RankState, World
 
-__all__ = ["CONTEXTS", "RANK", "Counts", "RankTasks", "WorldTasks", "install", "task_factory", "uninstall"]
+__all__ = ["CONTEXTS", "RANK", "Counts", "RankTasks", "WorldTasks", "install", "task_factory"]
 
 RANK: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
 """The rank a task or thread acts for: set by its rank's own task or thread, inherited by the tasks it creates."""
@@ -227,12 +228,11 @@ TaskFactory = Callable[..., asyncio.Future[Any]]
 
 
 class _Factory:
-    """What the engine's task factory calls on one loop, and how many worlds use it."""
+    """What the engine's task factory calls on one loop."""
 
-    __slots__ = ("base", "depth", "guard", "left", "prev", "worlds")
+    __slots__ = ("base", "depth", "guard", "left", "prev")
 
     def __init__(self) -> None:
-        self.worlds = 0
         self.prev: TaskFactory | None = None  # the factory it calls (None: asyncio.Task)
         # a factory a rank set and left on the loop as its world ended: it may call the
         # engine's back (a wrapper of the one it found), which then calls base
@@ -242,7 +242,7 @@ class _Factory:
         self.depth = 0  # then: calls of prev under way (a call back comes in meanwhile)
 
     def __repr__(self) -> str:
-        return f"<_Factory worlds={self.worlds} prev={self.prev!r} left={self.left!r}>"
+        return f"<_Factory prev={self.prev!r} left={self.left!r}>"
 
 
 # the rank whose tasks a task made now belongs to (set by the engine at install)
@@ -293,27 +293,27 @@ def task_factory(
     return task
 
 
-def install(loop: asyncio.AbstractEventLoop, running: Callable[[], RankTasks | None]) -> None:
-    """Track the tasks made on ``loop`` for the rank ``running()`` names (None: none); counted per world."""
+def install(loop: asyncio.AbstractEventLoop, running: Callable[[], RankTasks | None]) -> Callable[[], None]:
+    """Track the tasks made on ``loop`` for the rank ``running()`` names (None: none); returns the undo.
+
+    Once per loop at a time: the engine leases it per loop (``_engine.TASK_TRACKING``).
+    """
     global _current
     _current = running
     current = loop.get_task_factory()
     f = _installed.get(loop)
     if f is None:
         f = _installed[loop] = _Factory()
-    if f.worlds == 0 and current is not task_factory:
+    if current is not task_factory:
         f.prev = current
         f.guard = current is not None and current is f.left
         loop.set_task_factory(task_factory)  # type: ignore[arg-type]
-    f.worlds += 1
+    return lambda: _uninstall(loop)
 
 
-def uninstall(loop: asyncio.AbstractEventLoop) -> None:
-    """The undo of one ``install`` on ``loop``."""
+def _uninstall(loop: asyncio.AbstractEventLoop) -> None:
+    """The undo of ``install`` on ``loop``."""
     f = _installed[loop]
-    f.worlds -= 1
-    if f.worlds:
-        return
     left = f.prev if f.guard else None  # a factory left before, which calls this one back
     if left is not None:
         f.prev, f.guard = f.base, False

@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d
 
 from ._errors import TorchCompatError
+from ._patches import Attr, Change, Step
 
 if TYPE_CHECKING:
     # c10d's option structs and stores, for annotations here and in the rest of aiocoll
@@ -68,6 +69,7 @@ __all__ = [
     "C10dState",
     "allgather_into",
     "backend_of",
+    "c10d_changes",
     "check_c10d",
     "ddp_logging_data",
     "default_group",
@@ -81,7 +83,6 @@ __all__ = [
     "module_hooks",
     "new_group_helper",
     "options",
-    "patched_c10d",
     "premul_factor",
     "prepare_for_rank_threads",
     "process_harness",
@@ -627,8 +628,8 @@ def check_c10d() -> None:
     _checked = torch.__version__
 
 
-def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Callable[[], None]:
-    """Show every ``DeviceMesh`` built from now on to ``mesh_made``; returns the undo.
+def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Attr:
+    """The change that shows every ``DeviceMesh`` built while it is in force to ``mesh_made``.
 
     A mesh's ``_thread_id`` (2.10-2.15: what tells meshes of different ranks apart in
     DTensor's caches, set per thread only for torch's "threaded" backend) becomes what
@@ -646,8 +647,7 @@ def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Callable[[], 
         if ident is not None:
             self._thread_id = ident
 
-    mesh_cls.__init__ = mesh_init  # type: ignore[method-assign]
-    return functools.partial(setattr, mesh_cls, "__init__", saved)
+    return Attr(mesh_cls, "__init__", mesh_init)
 
 
 class _DeviceChoice(threading.local):
@@ -688,21 +688,16 @@ class _RankCuda:
         return f"<{type(self).__name__} of {self._cuda.__name__}>"
 
 
-def rank_devices(own_device: Callable[[], bool]) -> Callable[[], None]:
-    """Let ``DeviceMesh`` set each sync rank's CUDA device as it would a process's; returns the undo.
+def rank_devices(own_device: Callable[[], bool]) -> list[Attr]:
+    """The changes that let ``DeviceMesh`` set each sync rank's CUDA device as it would a process's.
 
     ``own_device()`` says whether the caller is a rank with a thread of its own (whose
     current CUDA device is its own). See ``_RankCuda``; choices are noted through
-    ``torch.cuda.set_device`` and ``torch.accelerator.set_device_index`` from now on.
+    ``torch.cuda.set_device`` and ``torch.accelerator.set_device_index`` while in force.
     """
     from torch.distributed import device_mesh
 
-    undo = contextlib.ExitStack()
-
-    def patch(module: object, name: str, value: object) -> None:
-        undo.callback(setattr, module, name, getattr(module, name))
-        setattr(module, name, value)
-
+    out: list[Attr] = []
     real_handle = getattr(device_mesh, "_get_device_handle", None)  # (absent without torch.distributed)
     if real_handle is not None:
 
@@ -711,7 +706,7 @@ def rank_devices(own_device: Callable[[], bool]) -> Callable[[], None]:
             handle = real_handle(device_type)
             return _RankCuda(handle) if handle is torch.cuda and own_device() else handle
 
-        patch(device_mesh, "_get_device_handle", device_handle)
+        out.append(Attr(device_mesh, "_get_device_handle", device_handle))
 
     def noting(real: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(real)
@@ -724,20 +719,36 @@ def rank_devices(own_device: Callable[[], bool]) -> Callable[[], None]:
     for module, name in ((torch.cuda, "set_device"), (getattr(torch, "accelerator", None), "set_device_index")):
         real = getattr(module, name, None)
         if real is not None:
-            patch(module, name, noting(real))
-    return undo.close
+            out.append(Attr(module, name, noting(real)))
+    return out
 
 
-@contextmanager
-def patched_c10d(
+# what c10d_changes may change (the patch set's declared targets)
+C10D_TARGETS = (
+    "sys.excepthook",
+    "torch.distributed.monitored_barrier",
+    "torch.distributed.distributed_c10d.monitored_barrier",
+    "torch.distributed.distributed_c10d._world",
+    "torch.distributed.distributed_c10d._process_group_name",
+    "torch.distributed.distributed_c10d._WorldMeta.WORLD",
+    "torch._C._distributed_c10d._set_thread_isolation_mode",
+    "torch.distributed.*DeviceMesh.__init__",
+    "torch.distributed.device_mesh._get_device_handle",
+    "torch.cuda.set_device",
+    "torch.accelerator.set_device_index",
+    "torch.*Store.__init__",  # (FileStore, TCPStore, HashStore, PrefixStore: their module varies by release)
+)
+
+
+def c10d_changes(
     name_suffix: Callable[[], str | None],
     mesh_made: Callable[[DeviceMesh], int | None],
     is_own: Callable[[dist.ProcessGroup], bool] = lambda pg: False,
     store_made: Callable[[Store], None] = lambda store: None,
     store_making: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     own_device: Callable[[], bool] = lambda: False,
-) -> Iterator[None]:
-    """torch.distributed with per-rank state, while the block runs (not reentrant: count outside).
+) -> list[Change]:
+    """The changes that give torch.distributed per-rank state (a patch set's, in order).
 
     - ``distributed_c10d._world`` becomes a proxy for the state set by ``use_state`` in the
       calling thread or task (torch's own outside any rank).
@@ -808,27 +819,26 @@ def patched_c10d(
             return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
         return saved_barrier(group, timeout, wait_all_ranks)
 
-    with contextlib.ExitStack() as undo:  # each step undone, in reverse, even if a later one fails
-        undo.callback(setattr, sys, "excepthook", saved_hook)
-        modules: tuple[Any, ...] = (_c10d, dist)
-        for module in modules:
-            if getattr(module, "monitored_barrier", None) is saved_barrier:
-                module.monitored_barrier = monitored_barrier
-                undo.callback(setattr, module, "monitored_barrier", saved_barrier)
-        _c10d._world = _StateProxy(saved_world)
-        undo.callback(setattr, _c10d, "_world", saved_world)
+    def isolation() -> Callable[[], None]:
         _C._set_thread_isolation_mode(True)
-        undo.callback(_C._set_thread_isolation_mode, False)
-        _c10d._process_group_name = process_group_name
-        undo.callback(setattr, _c10d, "_process_group_name", saved_name)
-        undo.callback(watch_meshes(mesh_made))
-        undo.callback(rank_devices(own_device))
-        meta.WORLD = property(world_get, saved_world_prop.fset)
-        undo.callback(setattr, meta, "WORLD", saved_world_prop)
-        for cls, real in zip(stores, saved_store_inits, strict=True):
-            cls.__init__ = store_init(real)
-            undo.callback(setattr, cls, "__init__", real)
-        yield
+        return lambda: _C._set_thread_isolation_mode(False)
+
+    # (torch's init_process_group wraps the hook per rank: what was there comes back, whatever it became)
+    changes: list[Change] = [Attr(sys, "excepthook", saved_hook, restore="always")]
+    modules: tuple[Any, ...] = (_c10d, dist)
+    for module in modules:
+        if getattr(module, "monitored_barrier", None) is saved_barrier:
+            changes.append(Attr(module, "monitored_barrier", monitored_barrier))
+    changes += [
+        Attr(_c10d, "_world", _StateProxy(saved_world)),
+        Step("torch._C._distributed_c10d._set_thread_isolation_mode", isolation),
+        Attr(_c10d, "_process_group_name", process_group_name),
+        watch_meshes(mesh_made),
+        *rank_devices(own_device),
+        Attr(meta, "WORLD", property(world_get, saved_world_prop.fset)),
+    ]
+    changes += [Attr(cls, "__init__", store_init(real)) for cls, real in zip(stores, saved_store_inits, strict=True)]
+    return changes
 
 
 # -- torch's threaded test harness (torch.testing._internal) -------------------------
@@ -860,8 +870,8 @@ class threaded_harness:
         return ProcessLocalGroup
 
     @staticmethod
-    def mend_thread_local_world() -> list[str]:
-        """Give torch's ``ThreadLocalWorld`` the ``_World`` properties it lacks; the names added.
+    def mend_thread_local_world() -> list[Attr]:
+        """The changes that give torch's ``ThreadLocalWorld`` the ``_World`` properties it lacks.
 
         torch 2.11 added ``_World.comms`` (read by ``destroy_process_group``) but not to
         the harness's thread-local stand-in: every harness test failed there with
@@ -878,16 +888,8 @@ class threaded_harness:
                 continue
             if not isinstance(held, (list, dict, set)):
                 raise _broken(f"torch.testing's ThreadLocalWorld having every property of _World ({name!r})")
-            setattr(ThreadLocalWorld, name, _per_thread(name, type(held)))
-            added.append(name)
+            added.append(Attr(ThreadLocalWorld, name, _per_thread(name, type(held))))
         return added
-
-    @staticmethod
-    def unmend_thread_local_world(added: list[str]) -> None:
-        from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
-
-        for name in added:
-            delattr(ThreadLocalWorld, name)
 
     @staticmethod
     def plugins() -> dict[str, object]:
@@ -997,13 +999,17 @@ class process_harness:
         functools.update_wrapper(patched, fn)
         return [(barrier, "sync", classmethod(patched))]
 
+    INIT_TARGETS = (
+        "torch.distributed.distributed_c10d._new_process_group_helper",
+        "torch.distributed.distributed_c10d.rendezvous",
+    )
+
     @staticmethod
-    @contextmanager
-    def patched_init(
+    def init_changes(
         group_backend: Callable[[object, int, list[int]], str | None],
         rendezvous: Callable[[str, int, int], tuple[Store, int, int] | None],
-    ) -> Iterator[None]:
-        """torch.distributed's group creation and rendezvous, steered while the block runs.
+    ) -> list[Attr]:
+        """The changes that steer torch.distributed's group creation and rendezvous (``INIT_TARGETS``).
 
         ``group_backend(backend, group_rank, global_ranks_in_group)``, for every group
         c10d makes (the default group, ``new_group``, DeviceMesh's): the backend to make
@@ -1049,12 +1055,7 @@ class process_harness:
                 return torchs
             return iter([found])
 
-        with contextlib.ExitStack() as undo:
-            _c10d._new_process_group_helper = helper
-            undo.callback(setattr, _c10d, "_new_process_group_helper", saved_helper)
-            _c10d.rendezvous = steered_rendezvous
-            undo.callback(setattr, _c10d, "rendezvous", saved_rendezvous)
-            yield
+        return [Attr(_c10d, "_new_process_group_helper", helper), Attr(_c10d, "rendezvous", steered_rendezvous)]
 
 
 # -- torch's Flight Recorder analyzer (``aiocoll._frdump`` writes dumps it reads) ------------------

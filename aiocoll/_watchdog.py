@@ -37,8 +37,10 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from . import _patches
 
 __all__ = ["MARGIN", "fatal_errors_reported", "named_async_call", "named_call", "under_deadline"]
 
@@ -98,31 +100,29 @@ async def named_async_call(name: str, fn: Callable[[], Awaitable[T]]) -> T:
     return await named(fn)
 
 
-_fatal_users = 0  # worlds running with fatal errors reported (under _lock)
-_fatal_ours = False  # whether aiocoll turned faulthandler on (then it turns it off)
+def _crash_report() -> Callable[[], None]:
+    if faulthandler.is_enabled():
+        return lambda: None  # (pytest turns it on for its run: left as it is)
+    faulthandler.enable(file=_STDERR, all_threads=True)
+    return faulthandler.disable
 
 
-@contextlib.contextmanager
-def fatal_errors_reported() -> Iterator[None]:
+CRASH_REPORTS = _patches.PatchSet(
+    "crash reports",
+    "while worlds run, a fatal signal (SIGSEGV, SIGABRT, ...) prints every thread's stack (faulthandler), "
+    "unless it was on already",
+    lambda key: [_patches.Step("faulthandler.enable", _crash_report)],
+    ["faulthandler.enable"],
+)
+
+
+def fatal_errors_reported() -> contextlib.AbstractContextManager[None]:
     """While in it, a fatal signal (SIGSEGV, SIGABRT, ...) prints every thread's stack to stderr.
 
     faulthandler's, turned on by the first world and off by the last, unless it was on
     already (pytest turns it on for its run): then it is left as it is.
     """
-    global _fatal_users, _fatal_ours
-    with _lock:
-        if _fatal_users == 0 and not faulthandler.is_enabled():
-            faulthandler.enable(file=_STDERR, all_threads=True)
-            _fatal_ours = True
-        _fatal_users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _fatal_users -= 1
-            if _fatal_users == 0 and _fatal_ours:
-                _fatal_ours = False
-                faulthandler.disable()
+    return _patches.lease(CRASH_REPORTS)
 
 
 def under_deadline(seconds: float, what: str, fn: Callable[[], T]) -> T:

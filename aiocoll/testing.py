@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _belongings, _c10d, _continuous, _harness, _torch
+from . import _belongings, _c10d, _continuous, _harness, _patches, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
@@ -155,39 +155,58 @@ def replace_threaded_pg(*, timeout: float | None = DEFAULT_TIMEOUT) -> ThreadedP
 
 _lock = threading.Lock()
 _active: list[ThreadedPGReplacement] = []
-_saved: dict[str, Any] = {}
+
+
+def _threaded_harness_changes(key: object) -> list[_patches.Change]:
+    # importing it registers backend "threaded" and defines the class the harness calls
+    ProcessLocalGroup = _torch.threaded_harness.process_local_group()
+    _torch.prepare_for_rank_threads()  # before the harness starts its rank threads (once; nothing to undo)
+    changes: list[_patches.Change] = list(_torch.threaded_harness.mend_thread_local_world())
+    # same key, so the plugin keeps its place in the table (c10d looks at the first one)
+    changes.append(
+        _patches.Item(
+            _torch.threaded_harness.plugins(),
+            _THREADED,
+            _torch.threaded_harness.plugin(_create_group),
+            "torch.distributed.Backend._plugins",
+        )
+    )
+    # The harness reports a rank's failure through this hook and calls reset() once its
+    # threads are joined, before it reads their exceptions: aiocoll's abort and report.
+    changes += [
+        _patches.Attr(ProcessLocalGroup, name, classmethod(hook))
+        for name, hook in (("exception_handle", _exception_handle), ("reset", _reset))
+    ]
+    # meshes belong to the run whose rank built them, released when it ends (the
+    # harness's threaded backend keeps them apart by thread itself)
+    changes.append(_torch.watch_meshes(_harness_mesh_made))
+    return changes
+
+
+THREADED_HARNESS = _patches.PatchSet(
+    "threaded harness",
+    "torch's threaded test harness (MultiThreadedTestCase) runs its ranks on aiocoll (replace_threaded_pg)",
+    _threaded_harness_changes,
+    [
+        "*.ThreadLocalWorld.*",
+        f"torch.distributed.Backend._plugins[{_THREADED!r}]",
+        "*.ProcessLocalGroup.exception_handle",
+        "*.ProcessLocalGroup.reset",
+        "torch.distributed.*DeviceMesh.__init__",
+    ],
+)
 
 
 def _patch() -> None:
-    # importing it registers backend "threaded" and defines the class the harness calls
-    ProcessLocalGroup = _torch.threaded_harness.process_local_group()
-    plugins = _torch.threaded_harness.plugins()
-    _torch.prepare_for_rank_threads()  # before the harness starts its rank threads
-    _saved["mended"] = _torch.threaded_harness.mend_thread_local_world()
-    _saved["plugin"] = plugins[_THREADED]
-    # The harness reports a rank's failure through this hook and calls reset() once its
-    # threads are joined, before it reads their exceptions: aiocoll's abort and report.
-    _saved["hooks"] = {name: ProcessLocalGroup.__dict__[name] for name in ("exception_handle", "reset")}
-    # same key, so the plugin keeps its place in the table (c10d looks at the first one)
-    plugins[_THREADED] = _torch.threaded_harness.plugin(_create_group)
-    for name, hook in (("exception_handle", _exception_handle), ("reset", _reset)):
-        setattr(ProcessLocalGroup, name, classmethod(hook))
-    # meshes belong to the run whose rank built them, released when it ends (the
-    # harness's threaded backend keeps them apart by thread itself)
-    _saved["meshes"] = _torch.watch_meshes(_harness_mesh_made)
+    _patches.acquire(THREADED_HARNESS)
 
 
 def _unpatch() -> None:
     global _current
-    ProcessLocalGroup = _torch.threaded_harness.process_local_group()
     if _current is not None:
         _current.scope.close()  # (its world's own scope ends with the world)
     _current = None  # a run cut short by this: its threads keep their world, the next run starts afresh
-    _saved.pop("meshes")()
-    _torch.threaded_harness.plugins()[_THREADED] = _saved.pop("plugin")
-    _torch.threaded_harness.unmend_thread_local_world(_saved.pop("mended"))
-    for name, hook in _saved.pop("hooks").items():
-        setattr(ProcessLocalGroup, name, hook)
+    _patches.release(THREADED_HARNESS)
 
 
 # -- one run of the harness (one test): an aiocoll world its threads join -------------
@@ -204,12 +223,10 @@ class _HarnessRun:
     """
 
     def __init__(self, size: int, timeout: float | None) -> None:
-        # each rank's init_process_group wraps sys.excepthook and nothing unwraps it: put
-        # back when the run ends, as a process's hook goes with it
-        self.excepthook = sys.excepthook
         config = WorldConfig(size, timeout=timeout, c10d="off", record=0, sync_ranks="parallel")
         # entered here, left by _reset once it let the run go: the world's engine dies then (_belongings)
         self.scope = contextlib.ExitStack()
+        self.scope.enter_context(_patches.lease(HOOK_KEPT, self))
         self.scope.enter_context(_belongings.world_scope(collect=True))
         try:
             self._run = HostedRun(config)
@@ -249,6 +266,15 @@ class _HarnessRun:
 
 
 _current: _HarnessRun | None = None
+
+HOOK_KEPT = _patches.PatchSet(
+    "harness run's excepthook",
+    "each rank's init_process_group wraps sys.excepthook and nothing unwraps it: it comes back when the "
+    "harness run (a test) ends, as a process's hook goes with the process",
+    lambda run: [_patches.Attr.kept(sys, "excepthook")],
+    ["sys.excepthook"],
+    per="run",
+)
 
 
 def _rank_of(run: _HarnessRun | None) -> RankState | None:
@@ -324,7 +350,6 @@ def _reset(cls: type) -> None:
     scope = run.scope
     try:
         leftovers = run.close()  # (what the ranks made is released as its world ends, not in a later test)
-        sys.excepthook = run.excepthook
         harness = sys.modules.get(_HARNESS_MODULE)
         if harness is not None:
             _keep_root_causes(run, harness.MultiThreadedTestCase.exception_queue)
@@ -472,30 +497,50 @@ _SPAWN_CONTINUOUS = "_spawn_processes"  # MultiProcContinuousTest's classmethod,
 _DEFERRED = "_aiocoll_deferred_start"  # on a test object: the Process factory its start was deferred with
 
 
-def _patch_process() -> None:
+def _process_harness_changes(key: object) -> list[_patches.Change]:
     case = _torch.process_harness.test_case()
     continuous = _torch.process_harness.continuous_test_case()
-    _torch.prepare_for_rank_threads()
-    steering = contextlib.ExitStack()
-    steering.enter_context(_torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous))
-    _process_saved["steering"] = steering
-    hooks = {"_start_processes": _start_processes, "_join_processes": _join_processes}
-    _process_saved["case"] = {name: case.__dict__[name] for name in hooks}
-    for name, hook in hooks.items():
-        setattr(case, name, hook)
+    _torch.prepare_for_rank_threads()  # (once; nothing to undo)
+    changes: list[_patches.Change] = []
+    # torch's own, which the hooks call where a test runs in processes after all
+    _process_saved["case"] = {name: case.__dict__[name] for name in ("_start_processes", "_join_processes")}
+    changes += [
+        _patches.Attr(case, "_start_processes", _start_processes),
+        _patches.Attr(case, "_join_processes", _join_processes),
+    ]
     if continuous is not None:
         _process_saved["continuous"] = continuous.__dict__[_SPAWN_CONTINUOUS]
-        setattr(continuous, _SPAWN_CONTINUOUS, classmethod(_spawn_continuous))
+        changes.append(_patches.Attr(continuous, _SPAWN_CONTINUOUS, classmethod(_spawn_continuous)))
+    return changes
+
+
+PROCESS_HARNESS = _patches.PatchSet(
+    "process harness",
+    "torch's multi-process test harness (MultiProcessTestCase, MultiProcContinuousTest) runs a test's ranks "
+    "in this process, and c10d makes aiocoll groups for the backends asked for (replace_process_harness)",
+    _process_harness_changes,
+    [
+        "*.MultiProcessTestCase._start_processes",
+        "*.MultiProcessTestCase._join_processes",
+        f"*.MultiProcContinuousTest.{_SPAWN_CONTINUOUS}",
+    ],
+)
+
+
+def _patch_process() -> None:
+    _patches.acquire(_harness.STEERED_INIT)
+    try:
+        _patches.acquire(PROCESS_HARNESS)
+    except BaseException:
+        _patches.release(_harness.STEERED_INIT)
+        raise
 
 
 def _unpatch_process() -> None:
-    case = _torch.process_harness.test_case()
-    continuous = _torch.process_harness.continuous_test_case()
-    for name, fn in _process_saved.pop("case").items():
-        setattr(case, name, fn)
-    if continuous is not None:
-        setattr(continuous, _SPAWN_CONTINUOUS, _process_saved.pop("continuous"))
-    _process_saved.pop("steering").close()
+    try:
+        _patches.release(PROCESS_HARNESS)
+    finally:
+        _patches.release(_harness.STEERED_INIT)
 
 
 def _settings() -> ProcessHarnessReplacement | None:

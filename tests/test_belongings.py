@@ -169,7 +169,7 @@ def test_meshes_that_die_young_cost_no_full_collection(
         gc.enable()
     # the young collection freed the meshes; then spawn's scope collected what the world
     # made (its engine), the older objects still set aside: no collection of every object
-    assert collections == [("release", 1, True), ("world_scope", 2, True)]
+    assert collections == [("release", 1, True), ("_give_back", 2, True)]
 
 
 def test_results_keeping_a_worlds_meshes_cost_no_full_collection(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import _c10d, _driver
+from aiocoll import _c10d, _driver, _patches
 from aiocoll._config import SpawnOptions, WorldConfig, WorldOptions
 from aiocoll._driver import WorldRun
 
@@ -74,12 +74,16 @@ def test_find_failing_seed_passes_the_other_keywords_on() -> None:
     assert seen == [7.0] * 6
 
 
+def _c10d_leases() -> int:
+    return sum(i.leases for i in _patches.installed() if i.name == _c10d.PER_RANK_C10D.name)
+
+
 @pytest.fixture
 def c10d_installs() -> Iterator[list[int]]:
-    before = _c10d._installed
+    before = _c10d_leases()
     counts: list[int] = []
     yield counts
-    assert _c10d._installed == before
+    assert _c10d_leases() == before
 
 
 def test_a_failure_while_entering_resources_undoes_the_ones_entered(
@@ -88,7 +92,7 @@ def test_a_failure_while_entering_resources_undoes_the_ones_entered(
     # torch.distributed's per-rank state is installed before the output prefixes: when
     # those fail, the world must not leave it installed (nor the loop's task factory set)
     def broken() -> typing.NoReturn:
-        c10d_installs.append(_c10d._installed)
+        c10d_installs.append(_c10d_leases())
         raise OSError("no terminal")
 
     monkeypatch.setattr(_driver, "prefixed_output", broken)

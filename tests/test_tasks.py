@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from aiocoll import _tasks
+from aiocoll import _patches, _tasks
+from aiocoll._engine import TASK_TRACKING
 from aiocoll._tasks import RankTasks
 
 
@@ -39,7 +40,7 @@ def test_a_task_made_for_a_rank_is_live_until_it_ends(loop: asyncio.AbstractEven
     rank = FakeRank()
     tasks = RankTasks(rank, loop)
     current: list[RankTasks | None] = [None]  # main, made below, is nobody's
-    _tasks.install(loop, lambda: current[0])
+    undo = _tasks.install(loop, lambda: current[0])
     try:
         assert loop.get_task_factory() is _tasks.task_factory
 
@@ -61,7 +62,7 @@ def test_a_task_made_for_a_rank_is_live_until_it_ends(loop: asyncio.AbstractEven
 
         loop.run_until_complete(main())
     finally:
-        _tasks.uninstall(loop)
+        undo()
     assert loop.get_task_factory() is None  # put back as found
 
 
@@ -74,11 +75,9 @@ def test_installs_nest_and_the_factory_found_is_called_and_put_back(loop: asynci
         return task
 
     loop.set_task_factory(theirs)
-    rank = FakeRank()
-    tasks = RankTasks(rank, loop)
-    _tasks.install(loop, lambda: tasks)
-    _tasks.install(loop, lambda: tasks)  # a second world on the loop
-    _tasks.uninstall(loop)
+    _patches.acquire(TASK_TRACKING, loop)
+    _patches.acquire(TASK_TRACKING, loop)  # a second world on the loop
+    _patches.release(TASK_TRACKING, loop)
     assert loop.get_task_factory() is _tasks.task_factory  # the first world still runs
 
     async def main() -> None:
@@ -86,17 +85,17 @@ def test_installs_nest_and_the_factory_found_is_called_and_put_back(loop: asynci
 
     loop.run_until_complete(main())
     assert len(made) == 2  # main, and the task it made: both through the factory found
-    _tasks.uninstall(loop)
+    _patches.release(TASK_TRACKING, loop)
     assert loop.get_task_factory() is theirs
 
 
 def _own_task(loop: asyncio.AbstractEventLoop, rank: FakeRank, tasks: RankTasks, coro: Any) -> asyncio.Task[Any]:
     """The rank's own task: counted live by the engine (as spawn does), not by the factory."""
-    _tasks.install(loop, lambda: None)
+    undo = _tasks.install(loop, lambda: None)
     try:
         task = loop.create_task(coro)
     finally:
-        _tasks.uninstall(loop)
+        undo()
     tasks.task = task
     rank._change(1, 0)
     task.add_done_callback(lambda _: rank._change(-1, 0))
@@ -116,7 +115,7 @@ def test_a_task_awaiting_a_gather_of_the_ranks_own_tasks_counts_as_parked(loop: 
 
     async def drive() -> None:
         task = _own_task(loop, rank, tasks, main())
-        _tasks.install(loop, lambda: tasks)
+        undo = _tasks.install(loop, lambda: tasks)
         try:
             for _ in range(3):
                 await asyncio.sleep(0)
@@ -133,7 +132,7 @@ def test_a_task_awaiting_a_gather_of_the_ranks_own_tasks_counts_as_parked(loop: 
             assert tasks.gathering == {}  # the gather's last task, ending, said so
             assert (rank.live, rank.parked) == (0, 0)
         finally:
-            _tasks.uninstall(loop)
+            undo()
 
     loop.run_until_complete(drive())
 
@@ -152,7 +151,7 @@ def test_a_gather_that_waits_for_something_else_is_not_parked(loop: asyncio.Abst
 
     async def drive() -> None:
         task = _own_task(loop, rank, tasks, main())
-        _tasks.install(loop, lambda: tasks)
+        undo = _tasks.install(loop, lambda: tasks)
         try:
             for _ in range(3):
                 await asyncio.sleep(0)
@@ -165,6 +164,6 @@ def test_a_gather_that_waits_for_something_else_is_not_parked(loop: asyncio.Abst
             rank._change(0, -1)
             await task
         finally:
-            _tasks.uninstall(loop)
+            undo()
 
     loop.run_until_complete(drive())

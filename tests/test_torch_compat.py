@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import aiocoll
 import aiocoll.testing
-from aiocoll import _torch
+from aiocoll import _patches, _torch
 
 PACKAGE = Path(aiocoll.__file__).parent
 
@@ -208,13 +208,13 @@ def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.Mo
             return self._pg_new_thing
 
     monkeypatch.setattr(_torch, "_World", NewerWorld)
-    added = _torch.threaded_harness.mend_thread_local_world()
-    try:
+    changes = _torch.threaded_harness.mend_thread_local_world()
+    added = [c.name for c in changes]
+    mended = _patches.PatchSet("a test's mended world", "a test's", lambda key: changes, ["*.ThreadLocalWorld.*"])
+    with _patches.lease(mended):
         assert "pg_new_thing" in added
         assert isinstance(vars(ThreadLocalWorld)["pg_new_thing"], property)
         assert "pg_config_info" not in added  # derived from pg_map, not state to keep
-    finally:
-        _torch.threaded_harness.unmend_thread_local_world(added)
     assert not hasattr(ThreadLocalWorld, "pg_new_thing")
 
 
@@ -251,7 +251,13 @@ def test_a_process_harness_without_its_hooks_is_refused_by_name(monkeypatch: pyt
 def test_process_harness_steering_is_undone_exactly() -> None:
     c10d = dist.distributed_c10d
     before = (c10d._new_process_group_helper, c10d.rendezvous)
-    with _torch.process_harness.patched_init(lambda *a: None, lambda *a: None):
+    steered = _patches.PatchSet(
+        "a test's steered init",
+        "a test's",
+        lambda key: _torch.process_harness.init_changes(lambda *a: None, lambda *a: None),
+        _torch.process_harness.INIT_TARGETS,
+    )
+    with _patches.lease(steered):
         assert c10d._new_process_group_helper is not before[0]
         assert c10d.rendezvous is not before[1]
     assert (c10d._new_process_group_helper, c10d.rendezvous) == before
