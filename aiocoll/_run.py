@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _harness, _mpspawn, _rankmain, _runlogs, _torch
+from . import _mpspawn, _procworld, _rankmain, _runlogs, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
 from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
@@ -342,7 +342,7 @@ def _call_site(e: BaseException, script: str) -> str:
     """`` at file:line``: where the rank made the call it was refused (and the script's line, if elsewhere)."""
     frames = [
         f
-        for f in traceback.extract_tb(_harness.from_rank_code(e.__traceback__))
+        for f in traceback.extract_tb(_procworld.from_rank_code(e.__traceback__))
         if not f.filename.startswith(PACKAGE_DIR) and not f.filename.startswith("<frozen ")  # (the import system's)
     ]
     if not frames:
@@ -359,7 +359,7 @@ def _run_once(
     args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
 ) -> int | None:
     """One run of the world: its exit code, or None if a signal interrupted it."""
-    world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}")
+    world = _procworld.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}")
     world.grace = _WIND_DOWN
     world.options = {
         "record": args.record,
@@ -369,7 +369,7 @@ def _run_once(
     }
     started = time.time()
     _torch.prepare_for_rank_threads()
-    with _torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous):
+    with _torch.process_harness.patched_init(_procworld.group_backend, _procworld.rendezvous):
         try:
             end = world.run(rank_main)
             spawned.finish()  # (ranks the script started and left running end before its groups do)
@@ -409,7 +409,7 @@ def _report(error: BaseException, size: int, started: float) -> None:
         # the script's own sys.exit, as torchrun shows it, then what aiocoll says of it
         notes = [f"aiocoll: {error}", *getattr(error, "__notes__", ())]
         error = error.__cause__
-    tb = _harness.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
+    tb = _procworld.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
     with contextlib.suppress(Exception):
         traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
     for note in notes:
@@ -422,13 +422,13 @@ def _users(filename: str) -> bool:
     return not filename.startswith(_NOT_USERS)
 
 
-def _report_interrupted(sig: signal.Signals, places: dict[int, _harness.RankPlace], size: int) -> None:
+def _report_interrupted(sig: signal.Signals, places: dict[int, _procworld.RankPlace], size: int) -> None:
     """Where each rank was when the signal came: file:line in the user's code, and what it was doing."""
     print(f"aiocoll run: got signal {sig.name}: the run ends (exit code 1, as torchrun's)", file=sys.stderr)
     _report_places(places, size, "  ")
 
 
-def _report_places(places: dict[int, _harness.RankPlace], size: int, indent: str) -> None:
+def _report_places(places: dict[int, _procworld.RankPlace], size: int, indent: str) -> None:
     for rank in range(size):
         place = places.get(rank)
         if place is None:

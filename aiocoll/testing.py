@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _belongings, _c10d, _continuous, _harness, _torch
+from . import _belongings, _c10d, _continuous, _harness, _procworld, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
@@ -477,7 +477,7 @@ def _patch_process() -> None:
     continuous = _torch.process_harness.continuous_test_case()
     _torch.prepare_for_rank_threads()
     steering = contextlib.ExitStack()
-    steering.enter_context(_torch.process_harness.patched_init(_harness.group_backend, _harness.rendezvous))
+    steering.enter_context(_torch.process_harness.patched_init(_procworld.group_backend, _procworld.rendezvous))
     _process_saved["steering"] = steering
     hooks = {"_start_processes": _start_processes, "_join_processes": _join_processes}
     _process_saved["case"] = {name: case.__dict__[name] for name in hooks}
