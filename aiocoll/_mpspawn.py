@@ -69,11 +69,14 @@ class SpawnedContext:
         _raise_first_failure(self._failures, end.error, os.getpid())
         return True
 
-    def abandon(self) -> None:
-        """End the world without waiting for its ranks (those that do not end are left behind)."""
+    def abandon(self, grace: float | None = None) -> None:
+        """End the world without waiting for its ranks (those that do not end in ``grace`` seconds are left behind).
+
+        ``grace``: None, the world's own (``_procworld.GRACE``).
+        """
         if not self._joined:
             self._joined = True
-            self.world.end()
+            self.world.end(grace=grace)
 
     def __repr__(self) -> str:
         return f"<SpawnedContext ranks={self.world.size} {'joined' if self._joined else 'running'}>"

@@ -149,9 +149,21 @@ class InProcessWorld:
 
     ``run(rank_main)`` runs a world to its end, bounded by ``deadline`` seconds; a world
     that outlives one test (continuous tests) is driven by ``start``, ``wait`` and ``end``.
+    ``options``: more of the world's configuration (``aiocoll run``'s ``--trace``, ...);
+    ``grace``: seconds ranks get to wind down once cancelled, before they are left behind
+    (None: ``GRACE``, as it is when the world is made).
     """
 
-    def __init__(self, size: int, collective_timeout: float | None, deadline: float, name: str = "a test") -> None:
+    def __init__(
+        self,
+        size: int,
+        collective_timeout: float | None,
+        deadline: float,
+        name: str = "a test",
+        *,
+        options: WorldOptions | None = None,
+        grace: float | None = None,
+    ) -> None:
         self.size = size
         self.collective_timeout = collective_timeout
         self.deadline = deadline
@@ -166,8 +178,8 @@ class InProcessWorld:
         self._raised: list[BaseException] = []  # what the ranks raised, kept by the reports
         self.initialised: set[int] = set()  # the ranks that initialised torch.distributed (through ``rendezvous``)
         self.barriers: dict[int, int] = {}  # each rank's count of torch's suite's barriers (``_suite_barrier``)
-        self.options: WorldOptions = {}  # more of the world's configuration (aiocoll run's --trace, ...)
-        self.grace = GRACE  # seconds ranks get to wind down once cancelled, before they are left behind
+        self._options: WorldOptions = {} if options is None else options.copy()
+        self._grace = GRACE if grace is None else grace
         self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted
 
     def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
@@ -221,8 +233,12 @@ class InProcessWorld:
     def ended(self) -> bool:
         return self._wt is not None and self._wt.wait(0)
 
-    def end(self, timed_out: bool = False) -> WorldEnd:
-        """How the world ended; one still running is cancelled first (``timed_out``: its deadline passed)."""
+    def end(self, timed_out: bool = False, *, grace: float | None = None) -> WorldEnd:
+        """How the world ended; one still running is cancelled first (``timed_out``: its deadline passed).
+
+        ``grace``: seconds its ranks then get to wind down, for this end only (None: the
+        world's own); an interrupted run gives them less.
+        """
         wt = self._wt
         assert wt is not None
         elapsed = time.monotonic() - self._started
@@ -233,7 +249,7 @@ class InProcessWorld:
                 if timed_out:
                     busy = self._busy(wt)  # before cancelling: where they were when time ran out
                 wt.cancel()
-                if not wt.wait(self.grace):
+                if not wt.wait(self._grace if grace is None else grace):
                     left = sorted(wt.rank_frames())
         finally:
             if self._entered:  # (end() may be called again: after a ^C, say)
@@ -283,7 +299,7 @@ class InProcessWorld:
                     _procstate.unbind()
                     _here.world = None
 
-        config = WorldConfig.of(self.size, {**self.options, "timeout": self.collective_timeout}, caller=self.name)
+        config = WorldConfig.of(self.size, {**self._options, "timeout": self.collective_timeout}, caller=self.name)
         await WorldRun(rank_fn, dataclasses.replace(config, c10d="state")).run()
 
     def places(self) -> dict[int, RankPlace]:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from . import _mpspawn, _procworld, _rankmain, _runlogs, _torch
-from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
+from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, WorldOptions
 from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
 
@@ -359,14 +359,15 @@ def _run_once(
     args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
 ) -> int | None:
     """One run of the world: its exit code, or None if a signal interrupted it."""
-    world = _procworld.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}")
-    world.grace = _WIND_DOWN
-    world.options = {
+    options: WorldOptions = {
         "record": args.record,
         "trace": args.trace,
         "schedule_seed": args.schedule_seed,
         "sync_ranks": args.sync_ranks,
     }
+    world = _procworld.InProcessWorld(
+        size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}", options=options, grace=_WIND_DOWN
+    )
     started = time.time()
     _torch.prepare_for_rank_threads()
     with _torch.process_harness.patched_init(_procworld.group_backend, _procworld.rendezvous):
@@ -381,8 +382,7 @@ def _run_once(
                 with contextlib.suppress(Exception):
                     print(f"  {inner.name}:", file=sys.stderr)
                     _report_places(inner.places(), inner.size, "    ")
-                inner.grace = _WIND_DOWN
-                spawn_call.abandon()
+                spawn_call.abandon(grace=_WIND_DOWN)
             return None
     if end.needs_process is not None:
         where = _call_site(end.needs_process, args.training_script)
