@@ -2,7 +2,7 @@
 
 torch keeps W worker processes alive for such a class and hands them test ids through
 queues; ``ContinuousRanks`` runs torch's own worker loop on sync ranks of one world
-instead (``_harness.InProcessWorld``), and stands in for the processes and queues the
+instead (``_procworld.InProcessWorld``), and stands in for the processes and queues the
 main process reads.
 """
 
@@ -23,8 +23,9 @@ from typing import Any
 
 from . import _patches, _procstate, _torch, _watchdog
 from ._engine import RankState, current_rank_state
-from ._harness import GRACE, FakeProcess, InProcessWorld, Settings, exit_code, pause, rank_class
+from ._harness import FakeProcess, Settings, exit_code, rank_class
 from ._outcome import echoes_abort
+from ._procworld import GRACE, InProcessWorld, pause
 from ._watchdog import under_deadline
 
 __all__ = ["ContinuousRanks"]

@@ -30,7 +30,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from . import _harness, _outcome, _patches, _rankmain, _runlogs
+from . import _outcome, _patches, _procworld, _rankmain, _runlogs
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -39,7 +39,7 @@ class SpawnedContext:
     """What ``mp.spawn(..., join=False)`` returns here: ``join()`` as torch's ``ProcessContext``'s."""
 
     def __init__(
-        self, world: _harness.InProcessWorld, failures: list[tuple[int, BaseException]], daemon: bool = False
+        self, world: _procworld.InProcessWorld, failures: list[tuple[int, BaseException]], daemon: bool = False
     ) -> None:
         self.daemon = daemon  # as torch's: at exit, daemon processes are stopped, the others waited for
         self.world = world
@@ -70,11 +70,14 @@ class SpawnedContext:
         _raise_first_failure(self._failures, end.error, os.getpid())
         return True
 
-    def abandon(self) -> None:
-        """End the world without waiting for its ranks (those that do not end are left behind)."""
+    def abandon(self, grace: float | None = None) -> None:
+        """End the world without waiting for its ranks (those that do not end in ``grace`` seconds are left behind).
+
+        ``grace``: None, the world's own (``_procworld.GRACE``).
+        """
         if not self._joined:
             self._joined = True
-            self.world.end()
+            self.world.end(grace=grace)
 
     def __repr__(self) -> str:
         return f"<SpawnedContext ranks={self.world.size} {'joined' if self._joined else 'running'}>"
@@ -89,7 +92,7 @@ def _raise_first_failure(failures: list[tuple[int, BaseException]], error: BaseE
     if isinstance(e, SystemExit):
         code = e.code if isinstance(e.code, int) else 1
         raise ProcessExitedException(f"process {rank:d} terminated with exit code {code:d}", rank, pid, code)
-    tb = _harness.from_rank_code(e.__traceback__) or e.__traceback__  # (as the child's traceback starts)
+    tb = _procworld.from_rank_code(e.__traceback__) or e.__traceback__  # (as the child's traceback starts)
     text = "".join(traceback.format_exception(type(e), e, tb))
     msg = f"\n\n-- Process {rank:d} terminated with the following error:\n{text}"
     raise ProcessRaisedException(msg, rank, pid)
@@ -150,7 +153,7 @@ class Starter:
                     failures.append((rank, e))
                 raise
 
-        world = _harness.InProcessWorld(nprocs, self.timeout, self.deadline, f"torch.multiprocessing.spawn({name})")
+        world = _procworld.InProcessWorld(nprocs, self.timeout, self.deadline, f"torch.multiprocessing.spawn({name})")
         world.start(rank_main)
         context = SpawnedContext(world, failures, daemon)
         self.contexts.append(context)

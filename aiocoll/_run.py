@@ -10,8 +10,9 @@ and a mismatch, a deadlock or a rank that left is reported at once.
 
 Scripts that start their own ranks (``torch.multiprocessing.spawn``, PyTorch's DDP tutorial)
 run with ``aiocoll run script.py``: the ranks they spawn are aiocoll ranks (``_mpspawn``).
-``--nnodes`` above 1 and options that only make sense with several processes are refused
-with the reason.
+The command line is read and checked once, into a frozen ``RunSpec``: ``--nnodes`` above
+1 and options that only make sense with several processes are refused there, with the
+reason, before anything runs.
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import CodeType
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
-from . import _harness, _mpspawn, _patches, _rankmain, _runlogs, _torch
-from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
+from . import _mpspawn, _patches, _procworld, _rankmain, _runlogs, _torch
+from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SyncRanks, WorldOptions
 from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
 
-__all__ = ["main", "parser", "worker_env"]
+__all__ = ["RunSpec", "main", "parser", "worker_env"]
 
 # files that are not the user's: aiocoll's, the standard library's and installed packages' (torch's)
 _NOT_USERS = (
@@ -102,25 +103,101 @@ class _Rendezvous(NamedTuple):
     master_port: int
 
 
-def _rendezvous(args: argparse.Namespace) -> _Rendezvous:
-    """torchrun's choice: a standalone run (or one with no port given) gets a new run id and a free port."""
+@dataclass(frozen=True)
+class RunSpec:
+    """An ``aiocoll run`` command line, read and checked once: what the run does, in typed fields.
+
+    >>> spec = RunSpec.of(parser().parse_args(["--nproc-per-node", "2", "--record", "64", "train.py", "--lr", "0.1"]))
+    >>> spec
+    <RunSpec train.py --lr 0.1: 2 ranks, timeout 300 s, 0 restarts>
+    >>> spec.world_options["record"]
+    64
+    """
+
+    script: str  # the script's path (or, with ``module``, a module's name)
+    script_args: tuple[str, ...]
+    module: bool  # -m: run ``script`` as ``python -m`` would
+    size: int  # ranks, from --nproc-per-node
+    max_restarts: int
+    timeout: float  # seconds a rank may wait in one collective
+    record: int
+    trace: str | None
+    schedule_seed: int | None
+    sync_ranks: SyncRanks
+    logs: _runlogs.LogsSpec
+    role: str
+    rendezvous: _Rendezvous | None  # None: a new run id and a free port, chosen as the run starts
+    signals_to_handle: str | None  # torchrun's --signals-to-handle (2.13 on), which the ranks are told
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunSpec:
+        """The run ``args`` (``parser()``'s) asks for; ``_Refused``, with the reason, for what one process cannot do."""
+        size = _size(args)
+        logs = _logs_spec(args)
+        return cls(
+            script=args.training_script,
+            script_args=tuple(args.training_script_args),
+            module=bool(args.module),
+            size=size,
+            max_restarts=args.max_restarts,
+            timeout=args.timeout,
+            record=args.record,
+            trace=args.trace,
+            schedule_seed=args.schedule_seed,
+            sync_ranks=cast("SyncRanks", args.sync_ranks),  # (one of the parser's choices)
+            logs=logs,
+            role=args.role,
+            rendezvous=_fixed_rendezvous(args),
+            signals_to_handle=getattr(args, "signals_to_handle", None) or None,  # (older torchruns have none)
+        )
+
+    @property
+    def world_options(self) -> WorldOptions:
+        """What the world of each attempt is made with, besides its size and timeout."""
+        return {
+            "record": self.record,
+            "trace": self.trace,
+            "schedule_seed": self.schedule_seed,
+            "sync_ranks": self.sync_ranks,
+        }
+
+    @property
+    def name(self) -> str:
+        """The run's name, in the watchdog's report and the world's."""
+        return f"aiocoll run {self.script}"
+
+    def __repr__(self) -> str:
+        line = " ".join(["-m"] * self.module + [self.script, *self.script_args])
+        return f"<RunSpec {line}: {self.size} ranks, timeout {self.timeout:g} s, {self.max_restarts} restarts>"
+
+
+def _fixed_rendezvous(args: argparse.Namespace) -> _Rendezvous | None:
+    """torchrun's choice: the one given; None for a standalone run (or one with no port given)."""
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
-        with socket.socket() as s:  # (a port the script may read; no rendezvous happens on it)
-            s.bind(("localhost", 0))
-            port = s.getsockname()[1]
-        return _Rendezvous(str(uuid.uuid4()), "localhost", port)
+        return None
     port = args.master_port if args.master_port is not None else 29500
     return _Rendezvous(args.rdzv_id, args.master_addr, port)
 
 
-def worker_env(rank: int, size: int, args: argparse.Namespace, rdzv: _Rendezvous, restart: int = 0) -> dict[str, str]:
-    """The variables torchrun's agent sets for worker ``rank`` of ``size`` (one node, one group)."""
+def _rendezvous(spec: RunSpec) -> _Rendezvous:
+    """The run's rendezvous: the one given, or a new run id and a free port."""
+    if spec.rendezvous is not None:
+        return spec.rendezvous
+    with socket.socket() as s:  # (a port the script may read; no rendezvous happens on it)
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    return _Rendezvous(str(uuid.uuid4()), "localhost", port)
+
+
+def worker_env(rank: int, spec: RunSpec, rdzv: _Rendezvous, restart: int = 0) -> dict[str, str]:
+    """The variables torchrun's agent sets for worker ``rank`` of ``spec.size`` (one node, one group)."""
+    size = spec.size
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "GROUP_RANK": "0",
         "ROLE_RANK": str(rank),
-        "ROLE_NAME": args.role,
+        "ROLE_NAME": spec.role,
         "LOCAL_WORLD_SIZE": str(size),
         "WORLD_SIZE": str(size),
         "GROUP_WORLD_SIZE": "1",
@@ -128,13 +205,13 @@ def worker_env(rank: int, size: int, args: argparse.Namespace, rdzv: _Rendezvous
         "MASTER_ADDR": rdzv.master_addr,
         "MASTER_PORT": str(rdzv.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
-        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": rdzv.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
-    if getattr(args, "signals_to_handle", None):  # (torchrun's from 2.13 on; older ones have no such option)
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
+    if spec.signals_to_handle:  # (torchrun's from 2.13 on)
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = spec.signals_to_handle
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun does (it prints a warning about it)
     return env
@@ -226,6 +303,7 @@ def _nproc(value: str) -> int:
 
 
 def _size(args: argparse.Namespace) -> int:
+    """The number of ranks, once the options one process cannot honour were refused (``RunSpec.of``'s)."""
     if args.nnodes not in ("1", "1:1"):
         raise _Refused(
             f"--nnodes {args.nnodes}: every rank of 'aiocoll run' runs in this process; for several nodes use "
@@ -251,6 +329,7 @@ def _size(args: argparse.Namespace) -> int:
 
 
 def _logs_spec(args: argparse.Namespace) -> _runlogs.LogsSpec:
+    """torchrun's output options, checked (``RunSpec.of``'s)."""
     try:
         redirects = _runlogs.Std.parse(args.redirects, "--redirects")
         tee = _runlogs.Std.parse(args.tee, "--tee")
@@ -269,26 +348,26 @@ def _logs_spec(args: argparse.Namespace) -> _runlogs.LogsSpec:
 
 
 def _rank_main(
-    args: argparse.Namespace,
+    spec: RunSpec,
     code: CodeType | None,
-    size: int,
     restart: int,
     attempt_dir: str,
     rdzv: _Rendezvous,
     mains: _rankmain.MainByRank,
 ) -> Callable[[int], None]:
-    """What each rank runs: the script's ``code`` (None: the module ``args.training_script``) as its ``__main__``."""
-    script = args.training_script
+    """What each rank runs: the script's ``code`` (None: the module ``spec.script``) as its ``__main__``."""
+    script = spec.script
 
     def rank_main(rank: int) -> None:
         _runlogs.rank_of_output.rank = rank  # (what this thread prints goes where the rank's stream does)
-        env = worker_env(rank, size, args, rdzv, restart)
+        env = worker_env(rank, spec, rdzv, restart)
         # where torch.distributed.elastic's @record writes the rank's failure, as under torchrun
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
         os.environ.update(env)  # this rank's view (see _procstate)
         # a module of its own, as `python script.py` gives each process, which is this rank's
         # sys.modules["__main__"] (where pickle finds the classes the script defines)
         module = types.ModuleType("__main__")
+        names: dict[str, object]  # the module's globals before its code runs
         try:
             if code is not None:
                 run, names = code, {"__file__": script, "__cached__": None}
@@ -315,48 +394,47 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     with _patches.lease(PARSING):
         args = parser().parse_args(argv)
     try:
-        size = _size(args)
-        logs = _logs_spec(args)
+        spec = RunSpec.of(args)
     except _Refused as e:
         print(f"aiocoll run: {e}", file=sys.stderr)
         return 2
-    if not args.module and not os.path.isfile(args.training_script):
-        print(f"aiocoll run: can't open file {args.training_script!r}: no such file", file=sys.stderr)
+    if not spec.module and not os.path.isfile(spec.script):
+        print(f"aiocoll run: can't open file {spec.script!r}: no such file", file=sys.stderr)
         return 2  # as python's own
     try:
-        rdzv = _rendezvous(args)
-        run_dir = logs.make_run_dir(rdzv.run_id)  # (each rank's error file, and its logs if routed)
+        rdzv = _rendezvous(spec)
+        run_dir = spec.logs.make_run_dir(rdzv.run_id)  # (each rank's error file, and its logs if routed)
     except OSError as e:
-        print(f"aiocoll run: --log-dir {args.log_dir}: {e}", file=sys.stderr)
+        print(f"aiocoll run: --log-dir {spec.logs.log_dir}: {e}", file=sys.stderr)
         return 2
     script_code = None
-    if not args.module:
+    if not spec.module:
         try:
-            with open(args.training_script, "rb") as f:  # (read once: every rank and restart runs the same code)
-                script_code = compile(f.read(), args.training_script, "exec")
+            with open(spec.script, "rb") as f:  # (read once: every rank and restart runs the same code)
+                script_code = compile(f.read(), spec.script, "exec")
         except SyntaxError as e:
             traceback.print_exception(type(e), e, None, file=sys.stderr)  # as python reports it
             return 1
-    script_dir = os.path.dirname(os.path.abspath(args.training_script)) if not args.module else os.getcwd()
+    script_dir = os.path.dirname(os.path.abspath(spec.script)) if not spec.module else os.getcwd()
     mains = _rankmain.MainByRank(sys.modules["__main__"])
-    script = _Script([args.training_script, *args.training_script_args], script_dir, mains)
+    script = _Script([spec.script, *spec.script_args], script_dir, mains)
     with (
         _patches.lease(SCRIPT, script),
-        _mpspawn.spawned_ranks(args.timeout, _NO_DEADLINE) as spawned,
+        _mpspawn.spawned_ranks(spec.timeout, _NO_DEADLINE) as spawned,
     ):
-        for restart in range(args.max_restarts + 1):
-            with _runlogs.routed_output(logs, run_dir, restart, size) as attempt_dir:
-                rank_main = _rank_main(args, script_code, size, restart, attempt_dir, rdzv, mains)
-                code = _run_once(args, rank_main, size, spawned)
+        for restart in range(spec.max_restarts + 1):
+            with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
+                rank_main = _rank_main(spec, script_code, restart, attempt_dir, rdzv, mains)
+                code = _run_once(spec, rank_main, spawned)
             if code is None:  # interrupted: no restart; 1 as torchrun's
                 if exit_when_interrupted:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(1)
                 return 1
-            if code == 0 or restart == args.max_restarts:
+            if code == 0 or restart == spec.max_restarts:
                 return code
-            print(f"aiocoll run: restarting the world ({restart + 1} of {args.max_restarts})", file=sys.stderr)
+            print(f"aiocoll run: restarting the world ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
     return 1  # (not reached)
 
 
@@ -379,7 +457,7 @@ def _call_site(e: BaseException, script: str) -> str:
     """`` at file:line``: where the rank made the call it was refused (and the script's line, if elsewhere)."""
     frames = [
         f
-        for f in traceback.extract_tb(_harness.from_rank_code(e.__traceback__))
+        for f in traceback.extract_tb(_procworld.from_rank_code(e.__traceback__))
         if not f.filename.startswith(PACKAGE_DIR) and not f.filename.startswith("<frozen ")  # (the import system's)
     ]
     if not frames:
@@ -392,21 +470,15 @@ def _call_site(e: BaseException, script: str) -> str:
     return out
 
 
-def _run_once(
-    args: argparse.Namespace, rank_main: Callable[[int], None], size: int, spawned: _mpspawn.Starter
-) -> int | None:
+def _run_once(spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn.Starter) -> int | None:
     """One run of the world: its exit code, or None if a signal interrupted it."""
-    world = _harness.InProcessWorld(size, args.timeout, _NO_DEADLINE, f"aiocoll run {args.training_script}")
-    world.grace = _WIND_DOWN
-    world.options = {
-        "record": args.record,
-        "trace": args.trace,
-        "schedule_seed": args.schedule_seed,
-        "sync_ranks": args.sync_ranks,
-    }
+    size = spec.size
+    world = _procworld.InProcessWorld(
+        size, spec.timeout, _NO_DEADLINE, spec.name, options=spec.world_options, grace=_WIND_DOWN
+    )
     started = time.time()
     _torch.prepare_for_rank_threads()
-    with _patches.lease(_harness.STEERED_INIT):
+    with _patches.lease(_procworld.STEERED_INIT):
         try:
             end = world.run(rank_main)
             spawned.finish()  # (ranks the script started and left running end before its groups do)
@@ -418,13 +490,12 @@ def _run_once(
                 with contextlib.suppress(Exception):
                     print(f"  {inner.name}:", file=sys.stderr)
                     _report_places(inner.places(), inner.size, "    ")
-                inner.grace = _WIND_DOWN
-                spawn_call.abandon()
+                spawn_call.abandon(grace=_WIND_DOWN)
             return None
     if end.needs_process is not None:
-        where = _call_site(end.needs_process, args.training_script)
+        where = _call_site(end.needs_process, spec.script)
         print(
-            f"aiocoll run: {args.training_script} needs processes of its own ({end.needs_process}{where}); "
+            f"aiocoll run: {spec.script} needs processes of its own ({end.needs_process}{where}); "
             "run it under torchrun",
             file=sys.stderr,
         )
@@ -446,7 +517,7 @@ def _report(error: BaseException, size: int, started: float) -> None:
         # the script's own sys.exit, as torchrun shows it, then what aiocoll says of it
         notes = [f"aiocoll: {error}", *getattr(error, "__notes__", ())]
         error = error.__cause__
-    tb = _harness.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
+    tb = _procworld.from_rank_code(error.__traceback__)  # from the script's frame in, as a process's starts
     with contextlib.suppress(Exception):
         traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
     for note in notes:
@@ -459,13 +530,13 @@ def _users(filename: str) -> bool:
     return not filename.startswith(_NOT_USERS)
 
 
-def _report_interrupted(sig: signal.Signals, places: dict[int, _harness.RankPlace], size: int) -> None:
+def _report_interrupted(sig: signal.Signals, places: dict[int, _procworld.RankPlace], size: int) -> None:
     """Where each rank was when the signal came: file:line in the user's code, and what it was doing."""
     print(f"aiocoll run: got signal {sig.name}: the run ends (exit code 1, as torchrun's)", file=sys.stderr)
     _report_places(places, size, "  ")
 
 
-def _report_places(places: dict[int, _harness.RankPlace], size: int, indent: str) -> None:
+def _report_places(places: dict[int, _procworld.RankPlace], size: int, indent: str) -> None:
     for rank in range(size):
         place = places.get(rank)
         if place is None:

@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _belongings, _c10d, _continuous, _harness, _patches, _torch
+from . import _belongings, _c10d, _continuous, _harness, _patches, _procworld, _torch
 from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
 from ._config import DEFAULT_TIMEOUT, WorldConfig
 from ._driver import HostedRun
@@ -528,11 +528,11 @@ PROCESS_HARNESS = _patches.PatchSet(
 
 
 def _patch_process() -> None:
-    _patches.acquire(_harness.STEERED_INIT)
+    _patches.acquire(_procworld.STEERED_INIT)
     try:
         _patches.acquire(PROCESS_HARNESS)
     except BaseException:
-        _patches.release(_harness.STEERED_INIT)
+        _patches.release(_procworld.STEERED_INIT)
         raise
 
 
@@ -540,7 +540,7 @@ def _unpatch_process() -> None:
     try:
         _patches.release(PROCESS_HARNESS)
     finally:
-        _patches.release(_harness.STEERED_INIT)
+        _patches.release(_procworld.STEERED_INIT)
 
 
 def _settings() -> ProcessHarnessReplacement | None:

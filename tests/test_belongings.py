@@ -322,7 +322,7 @@ def test_a_world_s_engine_dies_when_its_caller_lets_it_go(entry: str) -> None:
     # an engine is reference cycles (its parts refer to it), which die once the caller lets
     # it go, after the world's end: spawn and the harness's worlds collect them then, the
     # older objects still set aside, instead of leaving them to pile up between worlds
-    from aiocoll._harness import InProcessWorld
+    from aiocoll._procworld import InProcessWorld
 
     engines: list[weakref.ref[Any]] = []
 
@@ -523,9 +523,9 @@ import ctypes, sys, unittest
 import torch.distributed as dist
 from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-import aiocoll.testing, aiocoll._harness, aiocoll._watchdog
+import aiocoll.testing, aiocoll._procworld, aiocoll._watchdog
 
-aiocoll._harness.GRACE = 0.5
+aiocoll._procworld.GRACE = 0.5
 aiocoll._watchdog.MARGIN = 1.0
 common_distributed.TIMEOUT_OVERRIDE["test_holds_the_gil"] = 1
 

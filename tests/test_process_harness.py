@@ -987,7 +987,7 @@ def _forked_child(seen: Any) -> None:
 
 def test_a_process_forked_by_a_rank_is_a_process_of_its_own() -> None:
     """A DataLoader worker, say: it inherits its rank's environment, and its exit is its own (it hung before)."""
-    from aiocoll._harness import InProcessWorld
+    from aiocoll._procworld import InProcessWorld
 
     fork = multiprocessing.get_context("fork")
     got: dict[int, tuple[int | None, str]] = {}

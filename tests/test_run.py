@@ -372,26 +372,27 @@ def test_help_and_a_missing_script(
         assert option in out.split("aiocoll's own options")[1]
 
 
-@pytest.mark.parametrize(
-    ("options", "said"),
-    [
-        (
-            ["--nnodes", "2"],
-            "--nnodes 2: every rank of 'aiocoll run' runs in this process; for several nodes use "
-            "torchrun with aiocoll.from_process_group",
-        ),
-        (["--node-rank", "1"], "--node-rank 1: a run has one node"),
-        (["--nnodes", "1:4"], "--nnodes 1:4: every rank of 'aiocoll run' runs in this process"),
-        (["--no-python"], "--no-python: each rank runs Python code"),
-        (["--logs-specs", "mine"], "--logs-specs mine: output is routed as torchrun's default"),
-        (["--tee", "4"], "--tee '4': give 0, 1, 2 or 3"),
-        (["--redirects", "0:1,x"], "--redirects '0:1,x': give 0, 1, 2 or 3"),
-        (["--local-ranks-filter", "a"], "--local-ranks-filter 'a': give ranks"),
-        (["--nproc-per-node", "many"], "--nproc-per-node 'many': give the number of ranks"),
-        (["--nproc-per-node", "0"], "--nproc-per-node 0: at least one rank"),
-        (["--max-restarts", "-1"], "--max-restarts -1: a count"),
-    ],
-)
+# options one process cannot honour, and what the refusal says
+REFUSED = [
+    (
+        ["--nnodes", "2"],
+        "--nnodes 2: every rank of 'aiocoll run' runs in this process; for several nodes use "
+        "torchrun with aiocoll.from_process_group",
+    ),
+    (["--node-rank", "1"], "--node-rank 1: a run has one node"),
+    (["--nnodes", "1:4"], "--nnodes 1:4: every rank of 'aiocoll run' runs in this process"),
+    (["--no-python"], "--no-python: each rank runs Python code"),
+    (["--logs-specs", "mine"], "--logs-specs mine: output is routed as torchrun's default"),
+    (["--tee", "4"], "--tee '4': give 0, 1, 2 or 3"),
+    (["--redirects", "0:1,x"], "--redirects '0:1,x': give 0, 1, 2 or 3"),
+    (["--local-ranks-filter", "a"], "--local-ranks-filter 'a': give ranks"),
+    (["--nproc-per-node", "many"], "--nproc-per-node 'many': give the number of ranks"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: at least one rank"),
+    (["--max-restarts", "-1"], "--max-restarts -1: a count"),
+]
+
+
+@pytest.mark.parametrize(("options", "said"), REFUSED)
 def test_options_one_process_cannot_honour_are_refused_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], said: str
 ) -> None:
@@ -402,6 +403,33 @@ def test_options_one_process_cannot_honour_are_refused_before_anything_runs(
     err = capsys.readouterr().err
     assert err.startswith("aiocoll run: ")
     assert said in err
+
+
+@pytest.mark.parametrize(("options", "said"), REFUSED)
+def test_the_run_spec_refuses_what_one_process_cannot_honour(options: list[str], said: str) -> None:
+    from aiocoll._run import RunSpec, _Refused, parser
+
+    with pytest.raises(_Refused, match=re.escape(said)):
+        RunSpec.of(parser().parse_args([*options, "x.py"]))
+
+
+def test_the_run_spec_is_the_command_line_checked_and_typed() -> None:
+    from aiocoll._run import RunSpec, parser
+
+    argv = ["--nproc-per-node", "3", "--max-restarts", "2", "--timeout", "7", "--sync-ranks", "parallel"]
+    argv += ["--schedule-seed", "5", "--master-port", "1234", "--role", "trainer", "-m", "pkg.train", "--lr", "0.1"]
+    spec = RunSpec.of(parser().parse_args(argv))
+    assert (spec.script, spec.script_args, spec.module, spec.size) == ("pkg.train", ("--lr", "0.1"), True, 3)
+    assert (spec.max_restarts, spec.timeout, spec.role) == (2, 7.0, "trainer")
+    assert spec.world_options == {"record": spec.record, "trace": None, "schedule_seed": 5, "sync_ranks": "parallel"}
+    assert spec.rendezvous is not None
+    assert spec.rendezvous.master_port == 1234
+    assert repr(spec) == "<RunSpec -m pkg.train --lr 0.1: 3 ranks, timeout 7 s, 2 restarts>"
+    with pytest.raises(AttributeError):
+        spec.size = 4  # type: ignore[misc]  # frozen: checked once, never changed after
+    standalone = RunSpec.of(parser().parse_args(["--standalone", "x.py"]))
+    assert standalone.rendezvous is None  # a new run id and a free port, as the run starts
+    assert (standalone.size, standalone.script_args, standalone.module) == (1, (), False)
 
 
 def test_aiocoll_s_own_options_reach_the_world(tmp_path: Path) -> None:

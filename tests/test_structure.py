@@ -119,3 +119,44 @@ def test_no_import_cycles() -> None:
     graph = _graph()
     cycle = _cycle(graph)
     assert cycle is None, "import cycle among aiocoll's modules: " + " -> ".join(cycle or [])
+
+
+def _imports_module(path: Path, name: str) -> bool:
+    """Whether ``path`` imports the top-level module ``name`` anywhere (``import name``, ``from name import ...``)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == name for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == name:
+            return True
+    return False
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, and those they import, and so on (``start`` too)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_world_that_stands_for_processes_knows_no_test_harness(tmp_path: Path) -> None:
+    # `aiocoll run` and its mp.spawn run on _procworld, which is no test harness's: neither they nor
+    # anything they import imports unittest or the harness's modules (torch itself imports unittest,
+    # so sys.modules cannot tell: the imports are read)
+    graph = _graph()
+    harness = {"_harness", "_continuous", "testing"}
+    for entry in ("_procworld", "_run", "_mpspawn"):
+        reached = _reached(graph, entry)
+        assert not reached & harness, f"{entry} reaches {sorted(reached & harness)}"
+        users = sorted(m for m in reached if _imports_module(ROOT / f"{m}.py", "unittest"))
+        assert not users, f"{entry} reaches modules that import unittest: {users}"
+    # a guard: the check sees an import of unittest where there is one, at the top or in a function
+    assert _imports_module(ROOT / "_harness.py", "unittest")
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from unittest import mock\n", encoding="utf-8")
+    assert _imports_module(src, "unittest")
+    assert "_procworld" in graph["_harness"]
+    assert "_procworld" in graph["_run"]
