@@ -130,7 +130,8 @@ class Step:
     """A change that is a call, not an assignment: ``do()`` makes it and returns its undo.
 
     The undo decides itself whether what it finds is still aiocoll's (a signal handler),
-    and returns a description of what it left in place when it is not (None: undone).
+    and returns a description of what it left in place when it is not (anything else
+    than a str: undone).
     """
 
     target: str
@@ -206,7 +207,7 @@ class _Install:
                 if isinstance(change, Step):
                     assert callable(before)
                     left = before()
-                    if left is not None:
+                    if isinstance(left, str):  # (a str says what was left in place)
                         _say_once(change.target, left)
                     continue
                 now = change._read()

@@ -104,7 +104,11 @@ def _crash_report() -> Callable[[], None]:
     if faulthandler.is_enabled():
         return lambda: None  # (pytest turns it on for its run: left as it is)
     faulthandler.enable(file=_STDERR, all_threads=True)
-    return faulthandler.disable
+
+    def undo() -> None:
+        faulthandler.disable()  # (which returns whether it was on: not a report of the undo's)
+
+    return undo
 
 
 CRASH_REPORTS = _patches.PatchSet(

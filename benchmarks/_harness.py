@@ -180,6 +180,8 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
     # torch 2.11's harness lacks _World.comms, which destroy_process_group reads: mended, at no cost per op
     mended = threaded_harness.mend_thread_local_world()
+    for change in mended:
+        setattr(change.owner, change.name, change.value)
     _install_threaded_pg()  # type: ignore[no-untyped-call]
     try:
         start_and_join(threads, world, worker, "threaded-pg rank", started.abort, timeout)
@@ -190,7 +192,8 @@ def run_threaded_pg(world: int, rank_fn: Callable[[int], T], timeout: float = PG
     finally:
         ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
         _uninstall_threaded_pg()  # type: ignore[no-untyped-call]
-        threaded_harness.unmend_thread_local_world(mended)
+        for change in mended:
+            delattr(change.owner, change.name)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
         sys.excepthook = saved_excepthook
         for name, value in saved_c10d.items():
