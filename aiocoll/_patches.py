@@ -184,7 +184,7 @@ class _Install:
             for change in self.patch_set.build(self.key):
                 if not any(_pattern(t).fullmatch(change.target) for t in targets):
                     raise RuntimeError(
-                        f"aiocoll: patch set {self.patch_set.name!r} changed {change.target}, "
+                        f"aiocoll: patch set {self.patch_set.name!r} would change {change.target}, "
                         f"which it does not declare ({sorted(targets)})"
                     )
                 if isinstance(change, Step):

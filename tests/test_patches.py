@@ -106,7 +106,7 @@ def test_a_failing_install_undoes_what_it_did_and_installs_nothing() -> None:
 def test_a_change_the_set_does_not_declare_is_refused() -> None:
     box = _box()
     s = PatchSet("t: undeclared", "a test's", lambda key: [Attr(box, "a", 2)], ["elsewhere.*"])
-    with pytest.raises(RuntimeError, match=r"changed <SimpleNamespace>\.a, which it does not declare"):
+    with pytest.raises(RuntimeError, match=r"would change <SimpleNamespace>\.a, which it does not declare"):
         _patches.acquire(s)
     assert box.a == 1
 
