@@ -226,8 +226,11 @@ class _HarnessRun:
         config = WorldConfig(size, timeout=timeout, c10d="off", record=0, sync_ranks="parallel")
         # entered here, left by _reset once it let the run go: the world's engine dies then (_belongings)
         self.scope = contextlib.ExitStack()
-        self.scope.enter_context(_patches.lease(HOOK_KEPT, self))
         self.scope.enter_context(_belongings.world_scope(collect=True))
+        # (keyed by a token, not by this run: the registry holds its key until the lease ends, and
+        # the run, holding the world, must be let go before the scope's collection; the hook is
+        # put back first, as the lease ends before the scope)
+        self.scope.enter_context(_patches.lease(HOOK_KEPT, object()))
         try:
             self._run = HostedRun(config)
             self._thread = WorldThread(self._run.run, "auto")
