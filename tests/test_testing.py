@@ -15,6 +15,7 @@ import gc
 import threading
 import time
 import unittest
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -265,6 +266,35 @@ def test_collectives_subgroups_mesh_funcol() -> None:
     result = run_case(Collectives)
     assert result.testsRun == 6
     assert result.wasSuccessful(), problems(result)
+
+
+_worlds_seen: list[weakref.ref[Any]] = []
+
+
+class KeepsAWorld(_Case):
+    def test_one_collective(self) -> None:
+        run = aiocoll.testing._current
+        assert run is not None
+        _worlds_seen.append(weakref.ref(run.world))
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.usefixtures("aiocoll_pg")
+def test_a_runs_world_dies_by_its_own_scope_not_a_later_collection() -> None:
+    # nothing of the run may be held through the collection its scope ends with (the
+    # registry once held the run as a lease's key): its world would die by a later
+    # collection, and piled-up worlds set off full collections at later tests' starts
+    _worlds_seen.clear()
+    run_case(Collectives, "test_runs_on_aiocoll")  # (first-use set-ups)
+    gc.collect()
+    gc.disable()  # only the run's own scope collects now
+    try:
+        result = run_case(KeepsAWorld)
+    finally:
+        gc.enable()
+    assert result.wasSuccessful(), problems(result)
+    assert len(_worlds_seen) == 4
+    assert all(ref() is None for ref in _worlds_seen)
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
