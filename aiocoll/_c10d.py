@@ -15,7 +15,6 @@ own state, untouched.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.constants as dist_constants
 
-from . import _monitored, _patches, _procstate, _torch
+from . import _current, _monitored, _patches, _procstate, _torch
 from ._belongings import Belongings, Kind
 from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
@@ -550,7 +549,7 @@ def _create_process_group(opts: DistributedBackendOptions, backend_options: obje
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     group = world.groups.named(_base_name(str(opts.group_id)), ranks, st.rank)
     timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and timeout not in _TORCH_DEFAULTS and not _own_default.get():
+    if isinstance(timeout, timedelta) and timeout not in _TORCH_DEFAULTS and not _MAKING_DEFAULT.get():
         world.timeouts.own(group, timeout.total_seconds())  # (the first of its members tells it)
     comm = _C10dComm(world, group, int(opts.group_rank), threaded=not world.on_loop_thread())
     return AiocollProcessGroup(comm, str(opts.group_id))
@@ -561,7 +560,9 @@ def _create_process_group(opts: DistributedBackendOptions, backend_options: obje
 _TORCH_DEFAULTS = {t for t in (dist_constants.default_pg_timeout, dist_constants.default_pg_nccl_timeout) if t}
 
 # set while aiocoll makes a rank's default group itself: that group keeps the world's timeout
-_own_default: contextvars.ContextVar[bool] = contextvars.ContextVar("aiocoll_own_default", default=False)
+# (a facet of the thread, not of the task: init_process_group makes the group in one call, without
+# giving the loop to another rank's task meanwhile)
+_MAKING_DEFAULT = _current.Facet("making its default group", False, carried=False)
 
 
 async def settle() -> None:
@@ -629,11 +630,10 @@ class RankSession:
 
     def start(self) -> None:
         """Run in the rank's own context (its thread or task)."""
-        _torch.use_state(self.state)
+        self.st.use_c10d(self.state)
         if not self.init:
             return
-        token = _own_default.set(True)
-        try:
+        with _MAKING_DEFAULT.bound(True):
             dist.init_process_group(
                 BACKEND,
                 rank=self.st.rank,
@@ -641,8 +641,6 @@ class RankSession:
                 store=self.store,
                 timeout=timedelta(seconds=self.st.world.timeout or 1800.0),
             )
-        finally:
-            _own_default.reset(token)
         # init_process_group builds the world's {global rank: group rank} map per rank: W
         # entries for each of W ranks, 60 MB at W=1024. torch only reads (or deletes) it,
         # so every rank can share one.

@@ -135,6 +135,7 @@ class RankState:
     __slots__ = (
         "__weakref__",
         "activity",
+        "c10d",
         "completed",
         "error",
         "issued",
@@ -167,6 +168,11 @@ class RankState:
         # the rank's own thread (sync ranks; 0: none yet): a thread it starts takes no turns,
         # and its waits do not make the rank blocked
         self.thread = 0
+        self.c10d: Any = None  # its torch.distributed state, once it has one (``use_c10d``)
+
+    def use_c10d(self, state: Any) -> None:
+        """torch.distributed's state for this rank (``_c10d.RankSession``; ``_torch``'s proxy reads it)."""
+        self.c10d = state
 
     def on_own_thread(self) -> bool:
         """Whether the calling thread is this rank's own (not one the rank started)."""

@@ -35,21 +35,17 @@ forked process would); that thread gets its own states back when the world ends.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import sys
-import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from . import _patches, _torch
-from ._carry import carry
+from . import _current, _patches, _torch
 
-__all__ = ["RankLocals", "carried"]
+__all__ = ["NUMPY_RANDOM", "RANDOM", "RankLocals"]
 
 
 def _cuda_generators() -> list[torch.Generator]:
@@ -161,7 +157,7 @@ def _dispatchers(module: ModuleType, instance: object, extra: dict[str, str], ke
 
 def _dispatcher(fallback: Callable[..., Any], name: str, method: str, key: str) -> Callable[..., Any]:
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        bound: tuple[RankLocals, int] | None = getattr(_bound, "rank", None)
+        bound = _GENERATORS.get()
         if bound is None:  # not a rank thread of a world with per-rank generators
             return fallback(*args, **kwargs)
         instances = getattr(bound[0], key)
@@ -178,18 +174,11 @@ def _dispatcher(fallback: Callable[..., Any], name: str, method: str, key: str) 
     return dispatch
 
 
-# which (RankLocals, rank) the calling thread runs, set by bind() in each rank thread
-_bound = threading.local()
-
-
-def carried() -> Callable[[], AbstractContextManager[None]]:
-    """For threads the calling rank starts: ``random`` (and NumPy's) draw from the rank's generators.
-
-    As threads share their process's. (torch's generators are the rank's only while it
-    holds the turn: they are swapped as ranks take turns, and a thread does not take turns.)
-    """
-    bound = getattr(_bound, "rank", None)
-    return contextlib.nullcontext if bound is None else carry(_bound, rank=bound)
+# which (RankLocals, rank) the calling thread draws from, set by bind() in each rank thread;
+# the threads a rank starts draw from its generators too, as threads share their process's
+# (torch's generators are the rank's only while it holds the turn: they are swapped as
+# ranks take turns, and a thread does not take turns)
+_GENERATORS: _current.Facet[tuple[RankLocals, int] | None] = _current.Facet("generators", None, carried=True)
 
 
 RANDOM = _patches.PatchSet(
@@ -291,11 +280,11 @@ class RankLocals:
 
     def bind(self, rank: int) -> None:
         """In rank ``rank``'s thread, before its code runs: module functions draw from its instances."""
-        _bound.rank = (self, rank)
+        _GENERATORS.set((self, rank))
 
     def unbind(self, rank: int) -> None:
         """In rank ``rank``'s thread, as it ends (holding its turn, unless the world was aborted)."""
-        _bound.rank = None
+        _GENERATORS.set(None)
         self._torch.ended(rank)
 
     def switch(self, rank: int) -> None:

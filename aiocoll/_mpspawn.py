@@ -136,11 +136,11 @@ class Starter:
             raise TypeError(f"torch.multiprocessing.spawn: fn must be callable, got {type(fn).__name__}")
         failures: list[tuple[int, BaseException]] = []
         name = getattr(fn, "__qualname__", repr(fn))
-        writes_as = _runlogs.rank_of_output.rank  # a child process writes to its parent's streams
+        writes_as = _runlogs.OUTPUT_RANK.get()  # a child process writes to its parent's streams
         parents_main = _rankmain.carried()  # and its __main__ is its parent's script
 
         def rank_main(rank: int) -> None:
-            _runlogs.rank_of_output.rank = writes_as
+            _runlogs.OUTPUT_RANK.set(writes_as)
             try:
                 with parents_main():
                     fn(rank, *args)

@@ -62,8 +62,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch.distributed as dist
 import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
 
-from . import _locals, _patches, _rankmain, _runlogs, _torch
-from ._carry import carry
+from . import _current, _patches, _torch
 from ._logstate import RankLogging, descriptors
 from ._paths import PACKAGE_DIR
 
@@ -81,7 +80,6 @@ __all__ = [
     "RankThreads",
     "bind",
     "bound_rank",
-    "carried",
     "run_exit_handlers",
     "unbind",
 ]
@@ -150,16 +148,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 Patch = tuple[object, str, object]
 
 
-class _Bound(threading.local):
-    rank: int | None = None
-    environ: RankEnviron | None = None
-    pause: Callable[[float], None] | None = None
-    stepped_out: Callable[[], AbstractContextManager[None]] | None = None
-    exits: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] | None = None
-    logging: RankLogging | None = None
-
-
-_bound = _Bound()
+# what a harness rank's thread has of its process (see ``_current``); all but its turn
+# (``pause``, ``stepped_out``) are shared with the threads it starts
+_RANK: _current.Facet[int | None] = _current.Facet("harness rank", None, carried=True)
+_ENVIRON: _current.Facet[RankEnviron | None] = _current.Facet("os.environ", None, carried=True)
+_PAUSE: _current.Facet[Callable[[float], None] | None] = _current.Facet("pause", None, carried=False)
+_STEPPED_OUT: _current.Facet[Callable[[], AbstractContextManager[None]] | None] = _current.Facet(
+    "stepped out", None, carried=False
+)
+_EXITS: _current.Facet[list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] | None] = (
+    _current.Facet("atexit", None, carried=True)
+)
+_LOGGING: _current.Facet[RankLogging | None] = _current.Facet("logging", None, carried=True)
 _Store: type[Store] = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
 
 
@@ -174,25 +174,17 @@ def bind(
     ``pause(s)`` waits ``s`` seconds, letting others run; a call made inside
     ``stepped_out()`` may wait in C code for another rank, the others running meanwhile.
     """
-    _bound.rank, _bound.environ, _bound.pause, _bound.exits = rank, environ, pause, []
-    _bound.stepped_out = stepped_out
-    _bound.logging = RankLogging()
+    _RANK.set(rank)
+    _ENVIRON.set(environ)
+    _PAUSE.set(pause)
+    _STEPPED_OUT.set(stepped_out)
+    _EXITS.set([])
+    _LOGGING.set(RankLogging())
 
 
 def unbind() -> None:
-    _bound.rank, _bound.environ, _bound.pause, _bound.exits, _bound.logging = None, None, None, None, None
-    _bound.stepped_out = None
-
-
-def carried() -> Callable[[], AbstractContextManager[None]]:
-    """For threads the calling rank starts: its environment, logging and ``atexit``, as a process's threads share them.
-
-    Not its turn: such a thread's ``time.sleep`` and store waits are the real ones.
-    """
-    b = _bound
-    if b.rank is None:
-        return contextlib.nullcontext
-    return carry(b, rank=b.rank, environ=b.environ, pause=None, stepped_out=None, exits=b.exits, logging=b.logging)
+    for facet in (_RANK, _ENVIRON, _PAUSE, _STEPPED_OUT, _EXITS, _LOGGING):
+        facet.set(None)
 
 
 def _stand_in(wrapper: F, real: Callable[..., object], name: str) -> F:
@@ -205,12 +197,11 @@ def _stand_in(wrapper: F, real: Callable[..., object], name: str) -> F:
 
 def stepped_out() -> AbstractContextManager[None]:
     """Around a call that may wait in C code for another rank: in a harness rank, the others take turns meanwhile."""
-    step = _bound.stepped_out
+    step = _STEPPED_OUT.get()
     return contextlib.nullcontext() if step is None else step()
 
 
-def _rank_logging() -> RankLogging | None:
-    return _bound.logging
+_rank_logging = _LOGGING.get
 
 
 def run_exit_handlers() -> None:
@@ -219,16 +210,17 @@ def run_exit_handlers() -> None:
     An error is printed and the next handler runs, as at an interpreter's exit. Then the
     rank's logging handlers are flushed and closed, as ``logging``'s own exit handler does.
     """
-    exits = _bound.exits
+    exits = _EXITS.get()
     while exits:
         fn, args, kwargs = exits.pop()
         try:
             fn(*args, **kwargs)
         except BaseException:
-            print(f"aiocoll: rank {_bound.rank}: exception ignored in atexit callback {fn!r}:", file=sys.stderr)
+            print(f"aiocoll: rank {_RANK.get()}: exception ignored in atexit callback {fn!r}:", file=sys.stderr)
             traceback.print_exc()
-    if _bound.logging is not None:
-        _bound.logging.shutdown()
+    logs = _LOGGING.get()
+    if logs is not None:
+        logs.shutdown()
 
 
 def _in_forked_child() -> None:
@@ -238,7 +230,7 @@ def _in_forked_child() -> None:
     environment, now as its real one (a child inherits its parent's), and is a rank no
     more, so that its ``os._exit``, ``time.sleep`` and ``atexit`` are the real ones.
     """
-    view, logs = _bound.environ, _bound.logging
+    view, logs = _ENVIRON.get(), _LOGGING.get()
     unbind()
     if view is not None:
         restore_environ(view.as_dict())
@@ -251,7 +243,7 @@ os.register_at_fork(after_in_child=_in_forked_child)
 
 def bound_rank() -> int | None:
     """The harness rank the calling thread runs, if any."""
-    return _bound.rank
+    return _RANK.get()
 
 
 # -- os.environ, per rank ------------------------------------------------------------------
@@ -266,7 +258,7 @@ def _environ_methods() -> dict[str, Callable[..., object]]:
 
     def view(env: object) -> RankEnviron | None:
         # os.environb shares the class; only os.environ has views
-        return _bound.environ if env is os.environ else None
+        return _ENVIRON.get() if env is os.environ else None
 
     def getitem(self: os._Environ[str], key: str) -> str:
         v = view(self)
@@ -321,7 +313,7 @@ class ProcessOnly:
                 return
 
             def wrapper(*args: object, **kwargs: object) -> object:
-                rank = _bound.rank
+                rank = _RANK.get()
                 if rank is not None:
                     why = what(*args, **kwargs)
                     if why is not None:
@@ -379,7 +371,7 @@ class ProcessOnly:
         tests = ProcessOnly.TORCH_TESTS
 
         def getpid() -> int:
-            rank = _bound.rank
+            rank = _RANK.get()
             if rank is not None:
                 where = sys._getframe(1).f_code.co_filename
                 if not where.startswith(libraries) or where.startswith(tests):
@@ -409,7 +401,7 @@ class OnePerProcess(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        rank = _bound.rank
+        rank = _RANK.get()
         top = fullname.partition(".")[0]
         why = self.LIBRARIES.get(top)
         if rank is None or why is None:
@@ -467,14 +459,14 @@ class RankExit:
         real_register, real_unregister = atexit.register, atexit.unregister
 
         def register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
-            exits = _bound.exits
+            exits = _EXITS.get()
             if exits is None or RankExit._the_process_s(sys._getframe(1)):
                 return real_register(func, *args, **kwargs)
             exits.append((func, args, kwargs))
             return func
 
         def unregister(func: Callable[..., object]) -> None:
-            exits = _bound.exits
+            exits = _EXITS.get()
             if exits is not None:
                 exits[:] = [e for e in exits if e[0] != func]
             real_unregister(func)
@@ -493,7 +485,7 @@ class Cooperative:
         real_sleep = time.sleep
 
         def sleep(seconds: float) -> None:
-            pause = _bound.pause
+            pause = _PAUSE.get()
             if pause is None:
                 real_sleep(seconds)
             else:
@@ -522,7 +514,7 @@ class Cooperative:
     def _store_wait(name: str, real: Callable[..., object]) -> Callable[..., object]:
         # (args: a store method's, a key or keys and maybe a timeout)
         def wrapper(store: Store, *args: Any, **kwargs: object) -> object:
-            pause = _bound.pause
+            pause = _PAUSE.get()
             if pause is not None and args:
                 keys = [args[0]] if name == "get" else list(args[0])
                 limit = args[1] if name == "wait" and len(args) > 1 else getattr(store, "timeout", None)
@@ -553,15 +545,13 @@ class RankThreads:
     @staticmethod
     def carry(caller: FrameType) -> Callable[[Callable[[], T]], T] | None:
         """What runs a callable as the calling rank (None outside ranks, or for aiocoll's own ``caller``)."""
-        if _bound.rank is None or caller.f_code.co_filename.startswith(PACKAGE_DIR):
+        if _RANK.get() is None or caller.f_code.co_filename.startswith(PACKAGE_DIR):
             return None
         context = contextvars.copy_context()
-        parts = (carried(), _locals.carried(), _rankmain.carried(), _runlogs.carried())
+        as_rank_thread = _current.carried()  # (its environment, logging, __main__, random, output)
 
         def as_rank(fn: Callable[[], T]) -> T:
-            with contextlib.ExitStack() as stack:
-                for part in parts:
-                    stack.enter_context(part())
+            with as_rank_thread():
                 return fn()
 
         # (a fresh copy per call: a context is entered by one thread at a time)

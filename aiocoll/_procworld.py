@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _belongings, _c10d, _patches, _procstate, _torch, _watchdog
+from . import _belongings, _c10d, _current, _patches, _procstate, _torch, _watchdog
 from ._c10d import BACKEND
 from ._comm import Comm
 from ._config import WorldConfig, WorldOptions
@@ -73,9 +73,9 @@ MAPPED_BACKENDS = frozenset({"gloo", "nccl", "ncclx", "xccl", "hccl", "mpi", "uc
 # -- the world ----------------------------------------------------------------------------------
 
 
-class _Here(threading.local):
-    world: InProcessWorld | None = None
-    rank: int = -1
+# the world whose rank the calling thread runs, and that rank (not carried: a thread the rank
+# starts is not the rank's own, and counts no barriers of its own)
+_HERE: _current.Facet[tuple[InProcessWorld, int] | None] = _current.Facet("harness world", None, carried=False)
 
 
 def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | None, timeout: float) -> None:
@@ -85,10 +85,11 @@ def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | No
     until exactly ``wait_for`` ranks (all, by default) have counted as far, or raises
     torch's ``RuntimeError("barrier timeout")`` after ``timeout`` seconds, as torch's does.
     """
-    world, rank = _here.world, _here.rank
-    if world is None:
+    here = _HERE.get()
+    if here is None:
         real(wait_for, timeout)
         return
+    world, rank = here
     counts = world.barriers
     counts[rank] = mine = counts.get(rank, 0) + 1
     wanted = dist.get_world_size() if wait_for is None else wait_for
@@ -99,7 +100,6 @@ def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | No
         pause(0.005)
 
 
-_here = _Here()
 # what every world changes in the process while it runs (entered by its start, left at its end): the
 # suite's Barrier with it, as the world counts the barriers (a suite that is not loaded is left alone)
 SUITE_BARRIER = _patches.PatchSet(
@@ -287,7 +287,7 @@ class InProcessWorld:
     async def _world(self, rank_main: Callable[[int], None], environ: dict[str, str]) -> None:
         def rank_fn(comm: Comm) -> None:
             self._engine = getattr(comm, "_world", None)
-            _here.world, _here.rank = self, comm.rank
+            _HERE.set((self, comm.rank))
             _procstate.bind(comm.rank, _procstate.RankEnviron(environ), pause, _stepped_out)
             try:
                 rank_main(comm.rank)
@@ -304,7 +304,7 @@ class InProcessWorld:
                         _procstate.run_exit_handlers()  # the rank's "process" ends
                 finally:
                     _procstate.unbind()
-                    _here.world = None
+                    _HERE.set(None)
 
         config = WorldConfig.of(self.size, {**self._options, "timeout": self.collective_timeout}, caller=self.name)
         await WorldRun(rank_fn, dataclasses.replace(config, c10d="state")).run()
@@ -438,23 +438,23 @@ def _maps(backend: Any) -> bool:
 
 def group_backend(backend: Any, group_rank: int, ranks: list[int]) -> str | None:
     """For ``STEERED_INIT``: aiocoll for the real backends, in the world's ranks."""
-    world = _here.world
+    world, here = _HERE.get() or (None, -1)
     if world is not None and str(backend).lower() == BACKEND:
         # only code that lists the registered backends asks for aiocoll's by name here;
         # in a process of its own (torch's harness), aiocoll's backend is not among them
-        raise _procstate.NeedsProcess(_here.rank, f"asked for aiocoll's own backend {BACKEND!r} by name")
+        raise _procstate.NeedsProcess(here, f"asked for aiocoll's own backend {BACKEND!r} by name")
     if world is None or not _maps(backend):
         return None
-    if not ranks and group_rank != _here.rank:  # the default group
+    if not ranks and group_rank != here:  # the default group
         raise _procstate.NeedsProcess(
-            _here.rank, f"initialised torch.distributed as rank {group_rank}: its ranks form worlds of their own"
+            here, f"initialised torch.distributed as rank {group_rank}: its ranks form worlds of their own"
         )
     return BACKEND
 
 
 def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | None:
     """For ``STEERED_INIT``: the world's own store, in its ranks."""
-    world = _here.world
+    world, here = _HERE.get() or (None, -1)
     if world is None:
         return None
     query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
@@ -462,9 +462,9 @@ def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | N
         rank = int(query.get("rank", _environ_int("RANK", url)))
     if world_size == -1:
         world_size = int(query.get("world_size", _environ_int("WORLD_SIZE", url)))
-    if rank != _here.rank or not 0 < world_size <= world.size:
+    if rank != here or not 0 < world_size <= world.size:
         raise _procstate.NeedsProcess(
-            _here.rank,
+            here,
             f"initialised torch.distributed as rank {rank} of {world_size}: its ranks form worlds of their own",
         )
     world.initialised.add(rank)

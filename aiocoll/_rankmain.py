@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import sys
-import threading
 import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ._carry import carry
+from . import _current
 
 __all__ = ["MainByRank", "bound", "carried", "module_main", "target"]
 
@@ -43,7 +41,6 @@ class MainByRank(types.ModuleType):
     def __init__(self, process: types.ModuleType) -> None:
         super().__init__("__main__")
         object.__setattr__(self, "_aiocoll_process", process)
-        object.__setattr__(self, "_aiocoll_local", threading.local())
 
     def __getattribute__(self, name: str) -> Any:
         return getattr(target(self), name)
@@ -61,30 +58,29 @@ class MainByRank(types.ModuleType):
         return f"<aiocoll's __main__ per rank, now {target(self)!r}>"
 
 
+# the script module the calling thread runs as its __main__ (None: the process's); a
+# thread's is its process's, so the threads a rank starts carry it
+_MAIN: _current.Facet[types.ModuleType | None] = _current.Facet("__main__", None, carried=True)
+
+
 def target(mains: MainByRank) -> types.ModuleType:
     """The module ``mains`` stands for in the calling thread."""
-    module: types.ModuleType | None = getattr(object.__getattribute__(mains, "_aiocoll_local"), "module", None)
+    module = _MAIN.get()
     return module if module is not None else object.__getattribute__(mains, "_aiocoll_process")
 
 
 def bound(mains: MainByRank, module: types.ModuleType) -> AbstractContextManager[None]:
     """While the calling thread runs ``module`` as its ``__main__``."""
-    return _binding(mains, module)()
-
-
-def _binding(mains: MainByRank, module: types.ModuleType) -> Callable[[], AbstractContextManager[None]]:
-    return carry(object.__getattribute__(mains, "_aiocoll_local"), module=module)
+    return _MAIN.bound(module)
 
 
 def carried() -> Callable[[], AbstractContextManager[None]]:
-    """For ranks and threads the caller starts (``mp.spawn``, ``threading``): binds its ``__main__`` in theirs.
+    """For ranks the caller starts (``mp.spawn``): binds its ``__main__`` in theirs.
 
-    A child process's script is its parent's, and a thread's is its process's.
+    A child process's script is its parent's.
     """
-    mains = sys.modules.get("__main__")
-    if not isinstance(mains, MainByRank):
-        return contextlib.nullcontext
-    return _binding(mains, target(mains))
+    module = _MAIN.get()
+    return contextlib.nullcontext if module is None else lambda: _MAIN.bound(module)
 
 
 def module_main(name: str) -> tuple[types.CodeType, dict[str, object]]:

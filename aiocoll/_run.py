@@ -359,7 +359,7 @@ def _rank_main(
     script = spec.script
 
     def rank_main(rank: int) -> None:
-        _runlogs.rank_of_output.rank = rank  # (what this thread prints goes where the rank's stream does)
+        _runlogs.OUTPUT_RANK.set(rank)  # (what this thread prints goes where the rank's stream does)
         env = worker_env(rank, spec, rdzv, restart)
         # where torch.distributed.elastic's @record writes the rank's failure, as under torchrun
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")

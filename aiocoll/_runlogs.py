@@ -28,15 +28,13 @@ import string
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _patches
-from ._carry import carry
+from . import _current, _patches
 
-__all__ = ["LogsSpec", "Std", "carried", "rank_of_output", "routed_output"]
+__all__ = ["OUTPUT_RANK", "LogsSpec", "Std", "routed_output"]
 
 
 class Std(enum.IntFlag):
@@ -95,18 +93,10 @@ class LogsSpec:
         return tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
 
 
-class _Who(threading.local):
-    rank: int | None = None
+OUTPUT_RANK: _current.Facet[int | None] = _current.Facet("output", None, carried=True)
+"""The run's rank whose output this thread writes (set in each rank's thread; None: not a rank's).
 
-
-rank_of_output = _Who()
-"""The run's rank whose output this thread writes (set in each rank's thread; None: not a rank's)."""
-
-
-def carried() -> Callable[[], AbstractContextManager[None]]:
-    """For threads the calling rank starts: what they print goes where the rank's output goes, as in its process."""
-    rank = rank_of_output.rank
-    return contextlib.nullcontext if rank is None else carry(rank_of_output, rank=rank)
+Carried: what the threads a rank starts print goes where the rank's output goes, as in its process."""
 
 
 class _Sink:
@@ -166,7 +156,7 @@ class _Router(io.TextIOBase):
         self._buffer: _BinaryRouter | None = None
 
     def write(self, s: str) -> int:
-        rank = rank_of_output.rank
+        rank = OUTPUT_RANK.get()
         sinks = self._sinks.get(rank) if rank is not None else None
         if sinks is None:
             return self._console.write(s)
@@ -244,7 +234,7 @@ class _BinaryRouter(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         data = bytes(b)
-        rank = rank_of_output.rank
+        rank = OUTPUT_RANK.get()
         decoder = self._decoders.get(rank)
         if decoder is None:
             decoder = self._decoders[rank] = codecs.getincrementaldecoder(self._text.encoding)(errors="replace")

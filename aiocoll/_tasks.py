@@ -23,13 +23,13 @@ this one (``left``), and a later world then calls it, which calls this one back
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ._current import RANK
 from ._stats import Phase
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTEXTS", "RANK", "Counts", "RankTasks", "WorldTasks", "install", "task_factory"]
 
-RANK: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
-"""The rank a task or thread acts for: set by its rank's own task or thread, inherited by the tasks it creates."""
+# RANK (``_current``'s): the rank a task or thread acts for, set by its rank's own task or
+# thread, inherited by the tasks it creates
 
 
 class Counts(Protocol):

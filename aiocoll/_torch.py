@@ -16,7 +16,6 @@ their names are bound by every release tested, and torch's own error would name 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import functools
 import inspect
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d
 
+from . import _current
 from ._errors import TorchCompatError
 from ._patches import Attr, Change, Step
 
@@ -93,7 +93,6 @@ __all__ = [
     "set_grad_enabled",
     "threaded_harness",
     "unregister_group",
-    "use_state",
     "watch_meshes",
 ]
 
@@ -569,16 +568,11 @@ class C10dState(_World):  # type: ignore[misc]
         self.default_pg = None
 
 
-_state_var: contextvars.ContextVar[C10dState | None] = contextvars.ContextVar("aiocoll_c10d_state", default=None)
-
-
-def use_state(state: C10dState) -> None:
-    """Make ``state`` torch.distributed's state for the calling thread or task."""
-    _state_var.set(state)
+_rank = _current.RANK  # (its RankState's ``c10d``: the rank's C10dState, once it has one)
 
 
 class _StateProxy:
-    """Stands in for ``distributed_c10d._world``: the current rank's state, else torch's."""
+    """Stands in for ``distributed_c10d._world``: the current rank's state (``RankState.c10d``), else torch's."""
 
     __slots__ = ("_fallback",)
 
@@ -589,13 +583,15 @@ class _StateProxy:
         # every attribute is the target's: __getattribute__ rather than __getattr__ spares
         # the failed own lookup (and its AttributeError) on each of torch's reads, about
         # three per collective
-        st = _state_var.get()
+        rank = _rank.get()
+        st = None if rank is None else rank.c10d
         if st is None:
             st = object.__getattribute__(self, "_fallback")
         return getattr(st, name)
 
     def __setattr__(self, name: str, value: object) -> None:
-        st = _state_var.get()
+        rank = _rank.get()
+        st = None if rank is None else rank.c10d
         setattr(object.__getattribute__(self, "_fallback") if st is None else st, name, value)
 
 
@@ -650,13 +646,8 @@ def watch_meshes(mesh_made: Callable[[DeviceMesh], int | None]) -> Attr:
     return Attr(mesh_cls, "__init__", mesh_init)
 
 
-class _DeviceChoice(threading.local):
-    """Whether the calling thread chose its CUDA device, as a process does once (a rank's thread is its own)."""
-
-    chosen = False
-
-
-_device_choice = _DeviceChoice()
+# whether the calling thread chose its CUDA device, as a process does once (a rank's thread is its own)
+_DEVICE_CHOSEN = _current.Facet("CUDA device chosen", False, carried=False)
 
 
 class _RankCuda:
@@ -682,7 +673,7 @@ class _RankCuda:
     def is_initialized(self) -> bool:
         cuda = self._cuda
         # (current_device() would initialise CUDA: asked only once it is)
-        return bool(cuda.is_initialized()) and (_device_choice.chosen or cuda.current_device() != 0)
+        return bool(cuda.is_initialized()) and (_DEVICE_CHOSEN.get() or cuda.current_device() != 0)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self._cuda.__name__}>"
@@ -712,7 +703,7 @@ def rank_devices(own_device: Callable[[], bool]) -> list[Attr]:
         @functools.wraps(real)
         def choose(*args: object, **kwargs: object) -> None:
             real(*args, **kwargs)
-            _device_choice.chosen = True
+            _DEVICE_CHOSEN.set(True)
 
         return choose
 
@@ -750,8 +741,8 @@ def c10d_changes(
 ) -> list[Change]:
     """The changes that give torch.distributed per-rank state (a patch set's, in order).
 
-    - ``distributed_c10d._world`` becomes a proxy for the state set by ``use_state`` in the
-      calling thread or task (torch's own outside any rank).
+    - ``distributed_c10d._world`` becomes a proxy for the state of the rank the calling
+      thread or task acts for (``RankState.c10d``) (torch's own outside any rank).
     - The C++ registry of groups by name (functional collectives) is per thread
       (``_set_thread_isolation_mode``, 2.10+); ranks that share a thread get names made
       unique by ``name_suffix()``.
