@@ -852,6 +852,7 @@ class threaded_harness:
 
     MODULE = "torch.testing._internal.common_distributed"
     PLUGIN_KEY = "THREADED"  # backend "threaded"'s key in torch's plugin table
+    PLUGINS = "torch.distributed.Backend._plugins"  # (how the table is named in reports)
 
     @staticmethod
     def process_local_group() -> type[ProcessLocalGroup]:
@@ -885,7 +886,7 @@ class threaded_harness:
     @staticmethod
     def plugins() -> dict[str, object]:
         """c10d's table of backend plugins (name -> creator)."""
-        table: dict[str, object] = _need(dist.Backend, "_plugins", "torch.distributed.Backend._plugins")
+        table: dict[str, object] = _need(dist.Backend, "_plugins", threaded_harness.PLUGINS)
         return table
 
     @staticmethod

@@ -168,7 +168,7 @@ def _threaded_harness_changes(key: object) -> list[_patches.Change]:
             _torch.threaded_harness.plugins(),
             _THREADED,
             _torch.threaded_harness.plugin(_create_group),
-            "torch.distributed.Backend._plugins",
+            _torch.threaded_harness.PLUGINS,
         )
     )
     # The harness reports a rank's failure through this hook and calls reset() once its
@@ -189,7 +189,7 @@ THREADED_HARNESS = _patches.PatchSet(
     _threaded_harness_changes,
     [
         "*.ThreadLocalWorld.*",
-        f"torch.distributed.Backend._plugins[{_THREADED!r}]",
+        f"{_torch.threaded_harness.PLUGINS}[{_THREADED!r}]",
         "*.ProcessLocalGroup.exception_handle",
         "*.ProcessLocalGroup.reset",
         "torch.distributed.*DeviceMesh.__init__",
