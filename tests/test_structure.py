@@ -160,3 +160,21 @@ def test_the_world_that_stands_for_processes_knows_no_test_harness(tmp_path: Pat
     assert _imports_module(src, "unittest")
     assert "_procworld" in graph["_harness"]
     assert "_procworld" in graph["_run"]
+
+
+def test_only_current_keeps_the_slots_that_say_which_rank_runs() -> None:
+    # one context variable and one thread-local, in _current: a module that needs a rank's
+    # own state declares a Facet there, rather than a thread-local or context variable of its own
+    makers = {"local", "ContextVar"}
+    found = []
+    for path in sorted(ROOT.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            named = None
+            if isinstance(node, ast.Call):
+                named = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            elif isinstance(node, ast.ClassDef):
+                bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", None) for b in node.bases]
+                named = next((b for b in bases if b in makers), None)
+            if named in makers:
+                found.append(f"{path.stem}:{node.lineno}")
+    assert [f.split(":")[0] for f in found] == ["_current", "_current"], found
