@@ -34,14 +34,17 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     from ._engine import RankState
 
-__all__ = ["RANK", "Facet", "carried", "forget_all"]
+__all__ = ["RANK", "Facet", "PerRank", "StandIn", "carried", "forget_all"]
 
 T = TypeVar("T")
+V = TypeVar("V")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 RANK: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
 """The rank the calling code acts for (None: none): see the module."""
@@ -114,6 +117,76 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
                 f.set(v)
 
     return bound
+
+
+class PerRank(Generic[V]):
+    """What a process has once, made per rank: the calling rank's own ``V`` where it has one, else the process's.
+
+    The one way aiocoll writes it, in two forms:
+
+    - ``call(rank, process)``: a function to put in place of a method of an object whose
+      identity must stay (``os.environ``'s, ``logging.Logger``'s attributes): it runs
+      ``rank(own, ...)`` where ``own()`` gives the calling rank's value, ``process(...)``
+      elsewhere;
+    - ``StandIn``: an object to put in place of another (``sys.modules["__main__"]``,
+      c10d's ``_world``), every attribute of which is the calling rank's own object's,
+      else the process's.
+
+    >>> own: dict[str, str | None] = {"name": None}
+    >>> shout = PerRank(lambda: own["name"]).call(lambda mine, s: f"{mine}: {s}", lambda s: s)
+    >>> shout("hi"), own.update(name="rank 0"), shout("hi")
+    ('hi', None, 'rank 0: hi')
+    """
+
+    __slots__ = ("own",)
+
+    def __init__(self, own: Callable[[], V | None]) -> None:
+        self.own = own  # the calling rank's value (None: the thread is no rank's, or has none)
+
+    def call(self, rank: Callable[Concatenate[V, P], R], process: Callable[P, R]) -> Callable[P, R]:
+        """``rank(own, ...)`` in a rank that has its own value, ``process(...)`` elsewhere."""
+        own = self.own
+
+        def per_rank(*args: P.args, **kwargs: P.kwargs) -> R:
+            mine = own()
+            return process(*args, **kwargs) if mine is None else rank(mine, *args, **kwargs)
+
+        return per_rank
+
+    def __repr__(self) -> str:
+        return f"<PerRank of {self.own!r}>"
+
+
+class StandIn:
+    """An object standing in for one of which each rank has its own (``PerRank``'s second form).
+
+    A subclass says whose it is (``_aiocoll_own``: the calling rank's object, or None);
+    an instance keeps the process's (``_aiocoll_process``). Every attribute read, written
+    or deleted is then the rank's object's, else the process's; the subclass's own
+    methods are reached through ``object.__getattribute__`` only, so that the object's
+    own names never clash with them.
+    """
+
+    __slots__ = ()
+    _aiocoll_own: ClassVar[PerRank[Any]]
+
+    def __getattribute__(self, name: str) -> Any:
+        return getattr(_stood_for(self), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(_stood_for(self), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(_stood_for(self), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(_stood_for(self))
+
+
+def _stood_for(obj: StandIn) -> Any:
+    """The object ``obj`` stands for in the calling thread."""
+    mine = type(obj)._aiocoll_own.own()
+    return mine if mine is not None else object.__getattribute__(obj, "_aiocoll_process")
 
 
 def forget_all() -> None:

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
+from ._current import PerRank
+
 __all__ = ["RankLogging", "descriptors"]
 
 # what one rank changed, per object, by attribute; lists are the rank's own copies
@@ -138,22 +140,21 @@ class _PerRank:
     def __init__(self, name: str, current: Callable[[], RankLogging | None]) -> None:
         self.name = name
         self.current = current
+        per_rank = PerRank(current)
+        self._get = per_rank.call(lambda view, obj: view.get(obj, name), lambda obj: _the_process_s(obj, name))
+        self._set = per_rank.call(self._set_own, lambda obj, value: vars(obj).__setitem__(name, value))
 
-    def __get__(self, obj: object, owner: type | None = None) -> object:
-        if obj is None:
-            return self
-        view = self.current()
-        return _the_process_s(obj, self.name) if view is None else view.get(obj, self.name)
-
-    def __set__(self, obj: object, value: object) -> None:
-        view = self.current()
+    def _set_own(self, view: RankLogging, obj: object, value: object) -> None:
         attrs = vars(obj)
-        if view is None:
-            attrs[self.name] = value
-            return
         if self.name not in attrs:  # a logger made in a rank: the process gets its first values too
             attrs[self.name] = list(value) if self.name in _COPIED else value  # type: ignore[call-overload]
         view.set(obj, self.name, value)
+
+    def __get__(self, obj: object, owner: type | None = None) -> object:
+        return self if obj is None else self._get(obj)
+
+    def __set__(self, obj: object, value: object) -> None:
+        self._set(obj, value)
 
     def __repr__(self) -> str:
         return f"<per-rank attribute {self.name!r}>"

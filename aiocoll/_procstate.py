@@ -252,47 +252,42 @@ _Environ = type(os.environ)
 
 
 def _environ_methods() -> dict[str, Callable[..., object]]:
-    """Replacements for ``os._Environ``'s methods: a bound rank thread reads and writes its own view."""
+    """Replacements for ``os._Environ``'s methods: a bound rank thread reads and writes its own view.
+
+    (``os.environb`` shares the class: only ``os.environ`` has views.)
+    """
     real_get, real_set, real_del = _Environ.__getitem__, _Environ.__setitem__, _Environ.__delitem__
     real_iter, real_len = _Environ.__iter__, _Environ.__len__
+    view = _current.PerRank(_ENVIRON.get)
 
-    def view(env: object) -> RankEnviron | None:
-        # os.environb shares the class; only os.environ has views
-        return _ENVIRON.get() if env is os.environ else None
-
-    def getitem(self: os._Environ[str], key: str) -> str:
-        v = view(self)
-        return real_get(self, key) if v is None else v.get(key)
-
-    def setitem(self: os._Environ[str], key: str, value: str) -> None:
-        v = view(self)
-        real_set(self, key, value)  # checks the types as always, and C code sees it
-        if v is not None:
+    def setitem(v: RankEnviron, env: os._Environ[str], key: str, value: str) -> None:
+        real_set(env, key, value)  # checks the types as always, and C code sees it
+        if env is os.environ:
             v.set(key, value)
 
-    def delitem(self: os._Environ[str], key: str) -> None:
-        v = view(self)
-        if v is None:
-            real_del(self, key)
+    def delitem(v: RankEnviron, env: os._Environ[str], key: str) -> None:
+        if env is not os.environ:
+            real_del(env, key)
             return
         v.delete(key)
         with contextlib.suppress(KeyError):  # (set by this rank in its own view only)
-            real_del(self, key)
+            real_del(env, key)
 
-    def iterate(self: os._Environ[str]) -> Iterator[str]:
-        v = view(self)
-        return real_iter(self) if v is None else iter(v.keys())
+    def getitem(v: RankEnviron, env: os._Environ[str], key: str) -> str:
+        return v.get(key) if env is os.environ else real_get(env, key)
 
-    def length(self: os._Environ[str]) -> int:
-        v = view(self)
-        return real_len(self) if v is None else len(v.keys())
+    def iterate(v: RankEnviron, env: os._Environ[str]) -> Iterator[str]:
+        return iter(v.keys()) if env is os.environ else real_iter(env)
+
+    def length(v: RankEnviron, env: os._Environ[str]) -> int:
+        return len(v.keys()) if env is os.environ else real_len(env)
 
     return {
-        "__getitem__": getitem,
-        "__setitem__": setitem,
-        "__delitem__": delitem,
-        "__iter__": iterate,
-        "__len__": length,
+        "__getitem__": view.call(getitem, real_get),
+        "__setitem__": view.call(setitem, real_set),
+        "__delitem__": view.call(delitem, real_del),
+        "__iter__": view.call(iterate, real_iter),
+        "__len__": view.call(length, real_len),
     }
 
 

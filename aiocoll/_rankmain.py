@@ -24,43 +24,33 @@ import importlib.util
 import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 from . import _current
 
 __all__ = ["MainByRank", "bound", "carried", "module_main", "target"]
 
 
-class MainByRank(types.ModuleType):
-    """A ``__main__`` that is the calling rank's script module, or the process's own outside ranks.
-
-    Every attribute is the target module's, so a script's names (``bound``, say) never clash
-    with this class's: it is driven through the module functions ``bound`` and ``target``.
-    """
-
-    def __init__(self, process: types.ModuleType) -> None:
-        super().__init__("__main__")
-        object.__setattr__(self, "_aiocoll_process", process)
-
-    def __getattribute__(self, name: str) -> Any:
-        return getattr(target(self), name)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        setattr(target(self), name, value)
-
-    def __delattr__(self, name: str) -> None:
-        delattr(target(self), name)
-
-    def __dir__(self) -> list[str]:
-        return dir(target(self))
-
-    def __repr__(self) -> str:
-        return f"<aiocoll's __main__ per rank, now {target(self)!r}>"
-
-
 # the script module the calling thread runs as its __main__ (None: the process's); a
 # thread's is its process's, so the threads a rank starts carry it
 _MAIN: _current.Facet[types.ModuleType | None] = _current.Facet("__main__", None, carried=True)
+
+
+class MainByRank(_current.StandIn, types.ModuleType):
+    """A ``__main__`` that is the calling rank's script module, or the process's own outside ranks.
+
+    Every attribute is the target module's (``_current.StandIn``), so a script's names
+    (``bound``, say) never clash with this class's: it is driven through the module
+    functions ``bound`` and ``target``.
+    """
+
+    _aiocoll_own = _current.PerRank(_MAIN.get)
+
+    def __init__(self, process: types.ModuleType) -> None:
+        types.ModuleType.__init__(self, "__main__")
+        object.__setattr__(self, "_aiocoll_process", process)
+
+    def __repr__(self) -> str:
+        return f"<aiocoll's __main__ per rank, now {target(self)!r}>"
 
 
 def target(mains: MainByRank) -> types.ModuleType:

@@ -568,31 +568,25 @@ class C10dState(_World):  # type: ignore[misc]
         self.default_pg = None
 
 
-_rank = _current.RANK  # (its RankState's ``c10d``: the rank's C10dState, once it has one)
+def _rank_state() -> C10dState | None:
+    """The calling rank's torch.distributed state (its ``RankState.c10d``), if it has one."""
+    rank = _current.RANK.get()
+    return None if rank is None else rank.c10d
 
 
-class _StateProxy:
-    """Stands in for ``distributed_c10d._world``: the current rank's state (``RankState.c10d``), else torch's."""
+class _StateProxy(_current.StandIn):
+    """Stands in for ``distributed_c10d._world``: the current rank's state (``RankState.c10d``), else torch's.
 
-    __slots__ = ("_fallback",)
+    (``StandIn``'s ``__getattribute__`` rather than a ``__getattr__``: it spares the
+    failed own lookup, and its AttributeError, on each of torch's reads, about three per
+    collective.)
+    """
+
+    __slots__ = ("_aiocoll_process",)
+    _aiocoll_own = _current.PerRank(_rank_state)
 
     def __init__(self, fallback: object) -> None:
-        object.__setattr__(self, "_fallback", fallback)
-
-    def __getattribute__(self, name: str) -> object:
-        # every attribute is the target's: __getattribute__ rather than __getattr__ spares
-        # the failed own lookup (and its AttributeError) on each of torch's reads, about
-        # three per collective
-        rank = _rank.get()
-        st = None if rank is None else rank.c10d
-        if st is None:
-            st = object.__getattribute__(self, "_fallback")
-        return getattr(st, name)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        rank = _rank.get()
-        st = None if rank is None else rank.c10d
-        setattr(object.__getattribute__(self, "_fallback") if st is None else st, name, value)
+        object.__setattr__(self, "_aiocoll_process", fallback)
 
 
 _checked: str | None = None
