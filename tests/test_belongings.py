@@ -307,6 +307,7 @@ def test_ended_worlds_engines_piling_up_are_collected_at_a_start(monkeypatch: py
 def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_belongings, "ENGINES", 2**62)
     monkeypatch.setattr(_belongings, "GROWTH_MB", 16.0)
+    monkeypatch.setattr(_belongings, "_growth_factor", 1)
     _alive_in_a_world(_old_garbage(None))  # (a world's first-use set-ups, before the measure starts)
     monkeypatch.setattr(_belongings, "_memory_then", _belongings._memory_mb())
     small = _old_garbage(torch.ones(1))
@@ -314,6 +315,33 @@ def test_garbage_made_between_worlds_is_collected_at_a_start_once_memory_grew(mo
     big = _old_garbage(torch.ones(2**23))  # 32 MB
     assert not _alive_in_a_world(big)  # the memory grew: collected first
     assert small() is None
+
+
+@pytest.mark.usefixtures("no_automatic_collection")
+def test_growth_that_is_no_garbage_costs_fewer_collections_until_a_pile_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # memory that grows with caches, not garbage (torch's DTensor tests): each collection
+    # that finds little doubles the growth the next one waits for; one that finds a pile
+    # goes back to GROWTH_MB
+    monkeypatch.setattr(_belongings, "ENGINES", 2**62)
+    monkeypatch.setattr(_belongings, "GROWTH_MB", 16.0)
+    monkeypatch.setattr(_belongings, "_growth_factor", 1)
+    _alive_in_a_world(_old_garbage(None))  # (a world's first-use set-ups, before the measure starts)
+    monkeypatch.setattr(_belongings, "_memory_then", _belongings._memory_mb())
+    cache = [torch.ones(2**23)]  # 32 MB that stays: growth, no garbage
+    assert _alive_in_a_world(_old_garbage(None)) is False  # collected: the growth was past 16 MB
+    assert _belongings._growth_factor == 2  # it found little
+    cache.append(torch.ones(2**22))  # 16 MB more: below the 32 MB the next collection waits for now
+    small = _old_garbage(torch.ones(1))
+    assert _alive_in_a_world(small)
+    cache.append(torch.ones(2**23))  # 48 MB grown since the last collection: the next start collects
+    last = _old_garbage(None)
+    pile = [_Cycle(None) for _ in range(_belongings.LITTLE)]  # garbage made between two worlds
+    del pile
+    assert not _alive_in_a_world(last)
+    assert small() is None
+    assert _belongings._growth_factor == 1  # that one found a pile: back to GROWTH_MB
 
 
 @pytest.mark.usefixtures("no_automatic_collection", "no_start_collection")
