@@ -78,9 +78,7 @@ class Attr:
     @classmethod
     def kept(cls, owner: object, name: str) -> Attr:
         """``owner.name`` stays as it is now: whatever the code under the lease writes there, it comes back."""
-        own = getattr(owner, "__dict__", None)
-        now = own.get(name, _MISSING) if own is not None else getattr(owner, name, _MISSING)
-        return cls(owner, name, now, restore="always")
+        return cls(owner, name, cls(owner, name, None)._read(), restore="always")
 
     @property
     def target(self) -> str:
@@ -149,7 +147,8 @@ class PatchSet:
     then, not at import); ``key`` is the lease's (a set leased per loop, per run), None
     for a set of the process. ``targets`` declares what the set may change (``*``
     stands for any text): an install that would change anything else is a bug of
-    aiocoll's, and raises.
+    aiocoll's, and raises. ``needs``: sets of the process this one works on top of,
+    leased before it and released after it.
     """
 
     name: str
@@ -157,6 +156,7 @@ class PatchSet:
     build: Callable[[Hashable], Sequence[Change]]
     targets: Sequence[str]
     per: str = "process"  # what one install is for: "process", "loop", "run"
+    needs: Sequence[PatchSet] = ()
     module: str = field(init=False, default="")  # the module that declares it
 
     def __post_init__(self) -> None:
@@ -238,26 +238,39 @@ def _say_once(target: str, what: str) -> None:
 
 
 def acquire(patch_set: PatchSet, key: Hashable = None) -> None:
-    """Lease ``patch_set`` (for ``key``): the first lease installs it."""
+    """Lease ``patch_set`` (for ``key``), after what it needs: the first lease installs it."""
     with _lock:
-        ident = (id(patch_set), key)
-        inst = _installs.get(ident)
-        if inst is None:
-            inst = _Install(patch_set, key)
-            inst.apply()
-            _installs[ident] = inst
-        inst.leases += 1
+        taken: list[PatchSet] = []
+        try:
+            for need in patch_set.needs:
+                acquire(need)
+                taken.append(need)
+            ident = (id(patch_set), key)
+            inst = _installs.get(ident)
+            if inst is None:
+                inst = _Install(patch_set, key)
+                inst.apply()
+                _installs[ident] = inst
+            inst.leases += 1
+        except BaseException:
+            for need in reversed(taken):  # (nothing stays leased for a set that could not be)
+                release(need)
+            raise
 
 
 def release(patch_set: PatchSet, key: Hashable = None) -> None:
-    """End one lease of ``patch_set`` (for ``key``): the last one undoes it, in reverse order."""
+    """End one lease of ``patch_set`` (for ``key``), then of what it needs: the last one undoes it, in reverse order."""
     with _lock:
-        ident = (id(patch_set), key)
-        inst = _installs[ident]
-        inst.leases -= 1
-        if inst.leases == 0:
-            del _installs[ident]
-            inst.undo()
+        try:
+            ident = (id(patch_set), key)
+            inst = _installs[ident]
+            inst.leases -= 1
+            if inst.leases == 0:
+                del _installs[ident]
+                inst.undo()
+        finally:
+            for need in reversed(patch_set.needs):
+                release(need)
 
 
 @contextlib.contextmanager

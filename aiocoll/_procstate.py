@@ -28,7 +28,7 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   store's ``barrier`` or blocking ``queue_pop``, or making a store (a ``TCPStore``
   server waits for its clients): it steps out of the turns for the call (``stepped_out``).
 
-All are installed while at least one harness world runs (``ProcessState.enter``) and
+All are installed while at least one harness world runs (``RANK_PROCESSES``) and
 act only in threads bound to a rank (``bind``); every other thread sees the real thing.
 
 >>> env = RankEnviron({"A": "1"})
@@ -74,7 +74,6 @@ __all__ = [
     "Cooperative",
     "NeedsProcess",
     "ProcessOnly",
-    "ProcessState",
     "RankEnviron",
     "RankExit",
     "RankThreads",
@@ -628,32 +627,6 @@ RANK_PROCESSES = _patches.PatchSet(
         "sys.meta_path",
     ],
 )
-
-
-class ProcessState:
-    """Installs ``RANK_PROCESSES`` (and ``more``, the harness's own set) while harness worlds run (leased)."""
-
-    def __init__(self, more: _patches.PatchSet | None = None) -> None:
-        self._more = more
-
-    def enter(self) -> None:
-        _patches.acquire(RANK_PROCESSES)
-        if self._more is not None:
-            try:
-                _patches.acquire(self._more)
-            except BaseException:
-                _patches.release(RANK_PROCESSES)
-                raise
-
-    def exit(self) -> None:
-        try:
-            if self._more is not None:
-                _patches.release(self._more)
-        finally:
-            _patches.release(RANK_PROCESSES)
-
-    def __repr__(self) -> str:
-        return f"<ProcessState more={self._more!r}>"
 
 
 def snapshot_environ() -> dict[str, str]:

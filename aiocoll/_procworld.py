@@ -100,16 +100,17 @@ def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | No
         pause(0.005)
 
 
-# what every world changes in the process while it runs (entered by its start, left at its end): the
-# suite's Barrier with it, as the world counts the barriers (a suite that is not loaded is left alone)
+# what every world changes in the process while it runs (leased by its start, released at its end):
+# what a rank has of a process (RANK_PROCESSES, which this set needs), and the suite's Barrier with
+# it, as the world counts the barriers (a suite that is not loaded is left alone)
 SUITE_BARRIER = _patches.PatchSet(
     "torch's suite barrier",
     "each harness rank counts the barriers of torch's own multi-process suite (distributed_test.py) as its "
     "process would (nothing where that suite is not loaded)",
     lambda key: [_patches.Attr(o, n, v) for o, n, v in _torch.process_harness.suite_barrier(_suite_barrier)],
     ["*Barrier.sync"],  # (torch.testing._internal.distributed.distributed_test.Barrier)
+    needs=(_procstate.RANK_PROCESSES,),
 )
-_process_state = _procstate.ProcessState(SUITE_BARRIER)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ class InProcessWorld:
         self._environ = _procstate.snapshot_environ()
         self._started = time.monotonic()
         self._wt = WorldThread(lambda: self._world(rank_main, self._environ), "auto")
-        _process_state.enter()
+        _patches.acquire(SUITE_BARRIER)
         self._entered = True
         self._wt.start()
 
@@ -261,7 +262,7 @@ class InProcessWorld:
         finally:
             if self._entered:  # (end() may be called again: after a ^C, say)
                 self._entered = False
-                _process_state.exit()
+                _patches.release(SUITE_BARRIER)
                 _procstate.restore_environ(self._environ)
         if wt.wait(0):
             self._release(wt.error)

@@ -418,7 +418,7 @@ class ProcessHarnessReplacement:
             if self in _process_active:
                 _process_active.remove(self)
                 if not _process_active:
-                    _unpatch_process()
+                    _patches.release(PROCESS_HARNESS)
 
     def __enter__(self) -> ProcessHarnessReplacement:
         return self
@@ -488,7 +488,7 @@ def replace_process_harness(
     r = ProcessHarnessReplacement(timeout, fallback)
     with _process_lock:
         if not _process_active:
-            _patch_process()
+            _patches.acquire(PROCESS_HARNESS)
         _process_active.append(r)
     return r
 
@@ -527,23 +527,8 @@ PROCESS_HARNESS = _patches.PatchSet(
         "*.MultiProcessTestCase._join_processes",
         f"*.MultiProcContinuousTest.{_SPAWN_CONTINUOUS}",
     ],
+    needs=(_procworld.STEERED_INIT,),
 )
-
-
-def _patch_process() -> None:
-    _patches.acquire(_procworld.STEERED_INIT)
-    try:
-        _patches.acquire(PROCESS_HARNESS)
-    except BaseException:
-        _patches.release(_procworld.STEERED_INIT)
-        raise
-
-
-def _unpatch_process() -> None:
-    try:
-        _patches.release(PROCESS_HARNESS)
-    finally:
-        _patches.release(_procworld.STEERED_INIT)
 
 
 def _settings() -> ProcessHarnessReplacement | None:

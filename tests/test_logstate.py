@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from aiocoll import _procstate
-from aiocoll._procstate import ProcessState, RankEnviron
+from aiocoll import _patches, _procstate
+from aiocoll._procstate import RankEnviron
 
 
 @pytest.fixture
 def installed() -> Iterator[None]:
-    state = ProcessState()
-    state.enter()
-    try:
+    with _patches.lease(_procstate.RANK_PROCESSES):
         yield
-    finally:
-        state.exit()
     assert "handlers" not in vars(logging.Logger)  # put back as it was
     assert isinstance(vars(logging.Manager)["disable"], property)
 

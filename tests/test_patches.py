@@ -80,6 +80,33 @@ def test_a_replacement_someone_patched_over_is_left_in_place_and_said_once(caplo
     assert "replaced by 99 while aiocoll's was in force; left in place" in said[0]
 
 
+def test_a_set_leases_what_it_needs_first_and_releases_it_after() -> None:
+    box, order = _box(), []
+
+    def step(name: str) -> Step:
+        def do() -> Any:
+            order.append(f"do {name}")
+            return lambda: order.append(f"undo {name}")
+
+        return Step(name, do)
+
+    base = PatchSet("t: base", "a test's", lambda key: [step("base")], ["*"])
+    top = PatchSet("t: top", "a test's", lambda key: [step("top"), Attr(box, "a", 2)], ["*"], needs=(base,))
+    with _patches.lease(base), _patches.lease(top):
+        leases = {i.name: i.leases for i in _patches.installed() if i.name.startswith("t: ")}
+    assert leases == {"t: base": 2, "t: top": 1}
+    assert order == ["do base", "do top", "undo top", "undo base"]
+    assert box.a == 1
+
+    def broken() -> Any:
+        raise OSError("no")
+
+    failing = PatchSet("t: failing", "a test's", lambda key: [Step("broken", broken)], ["*"], needs=(base,))
+    with pytest.raises(OSError, match="no"):
+        _patches.acquire(failing)
+    assert all(i.name != "t: base" for i in _patches.installed())  # what it needed is released again
+
+
 def test_a_kept_value_comes_back_whatever_it_became() -> None:
     box = _box()
     s = PatchSet("t: kept", "a test's", lambda key: [Attr.kept(box, "a"), Attr.kept(box, "absent")], ["*"])
