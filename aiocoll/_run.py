@@ -21,6 +21,7 @@ import argparse
 import builtins
 import contextlib
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -34,16 +35,21 @@ import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import CodeType
-from typing import NamedTuple, cast
+from typing import Literal, NamedTuple, cast
 
 import torch
 
-from . import _mpspawn, _patches, _procworld, _rankmain, _runlogs, _torch
+from . import _mpspawn, _patches, _processes, _procstate, _procworld, _rankmain, _runlogs, _scriptread, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SyncRanks, WorldOptions
 from ._errors import RankExitedError
 from ._paths import PACKAGE_DIR
 
 __all__ = ["RunSpec", "main", "parser", "worker_env"]
+
+Place = Literal["auto", "processes", "in-process"]
+
+# the signals torchrun's agent handles by default (TORCHELASTIC_SIGNALS_TO_HANDLE)
+_TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 # files that are not the user's: aiocoll's, the standard library's and installed packages' (torch's)
 _NOT_USERS = (
@@ -85,6 +91,19 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace of every collective")
     own.add_argument(
         "--record", type=int, default=DEFAULT_RECORD, metavar="N", help="flight recorder: the last N ops of each rank"
+    )
+    where = own.add_mutually_exclusive_group()
+    where.add_argument(
+        "--processes",
+        action="store_true",
+        help="run each rank in a process of its own, as torchrun does (the default for a script one process "
+        "cannot serve: its process id, signal handlers, os._exit, accelerate, Lightning, ...)",
+    )
+    where.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every rank in this process even if the script looks as if it needs processes (a call that "
+        "does is then refused, with the reason)",
     )
     own.add_argument(
         "--sync-ranks",
@@ -128,6 +147,7 @@ class RunSpec:
     role: str
     rendezvous: _Rendezvous | None  # None: a new run id and a free port, chosen as the run starts
     signals_to_handle: str | None  # torchrun's --signals-to-handle (2.13 on), which the ranks are told
+    place: Place = "auto"  # where the ranks run: "auto" (in this process unless the script needs processes)
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> RunSpec:
@@ -149,6 +169,7 @@ class RunSpec:
             role=args.role,
             rendezvous=_fixed_rendezvous(args),
             signals_to_handle=getattr(args, "signals_to_handle", None) or None,  # (older torchruns have none)
+            place="processes" if args.processes else "in-process" if args.in_process else "auto",
         )
 
     @property
@@ -168,7 +189,14 @@ class RunSpec:
 
     def __repr__(self) -> str:
         line = " ".join(["-m"] * self.module + [self.script, *self.script_args])
-        return f"<RunSpec {line}: {self.size} ranks, timeout {self.timeout:g} s, {self.max_restarts} restarts>"
+        where = "" if self.place == "auto" else f", {self.place}"
+        return f"<RunSpec {line}: {self.size} ranks, timeout {self.timeout:g} s, {self.max_restarts} restarts{where}>"
+
+    @property
+    def signals(self) -> list[signal.Signals]:
+        """The signals that end the run (torchrun's ``--signals-to-handle``; its default without it)."""
+        names = (self.signals_to_handle or _TORCHRUN_SIGNALS).split(",")
+        return [signal.Signals[n.strip()] for n in names if n.strip() in signal.Signals.__members__]
 
 
 def _fixed_rendezvous(args: argparse.Namespace) -> _Rendezvous | None:
@@ -222,7 +250,7 @@ class _Refused(Exception):
 
 
 class _Signalled(BaseException):
-    """SIGTERM reached the run (SIGINT arrives as ``KeyboardInterrupt``)."""
+    """A signal that ends the run reached it (``SIGNALS``)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -233,20 +261,34 @@ def _raise_signalled(signum: int, frame: object) -> None:
     raise _Signalled(signum)
 
 
-def _sigterm_handler() -> Callable[[], str | None]:
-    """SIGTERM interrupts the run as ^C does (torchrun's agent treats both alike)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # (only the main thread may install handlers: main() called from a thread)
-    saved = signal.signal(signal.SIGTERM, _raise_signalled)
+def _ending_on(sig: signal.Signals) -> Callable[[], Callable[[], str | None]]:
+    """A step: ``sig`` ends the run (``_Signalled`` in the main thread), whatever the process had for it."""
 
-    def undo() -> str | None:
-        now = signal.getsignal(signal.SIGTERM)
-        if now is not _raise_signalled:  # (the script's own, or a library's, installed since)
-            return f"replaced by {now!r} during the run"
-        signal.signal(signal.SIGTERM, saved)
-        return None
+    def install() -> Callable[[], str | None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None  # (only the main thread may install handlers: main() called from a thread)
+        saved = signal.signal(sig, _raise_signalled)
 
-    return undo
+        def undo() -> str | None:
+            now = signal.getsignal(sig)
+            if now is not _raise_signalled:  # (the script's own, or a library's, installed since)
+                return f"replaced by {now!r} during the run"
+            signal.signal(sig, saved)
+            return None
+
+        return undo
+
+    return install
+
+
+SIGNALS = _patches.PatchSet(
+    "aiocoll run's signals",
+    "while aiocoll run runs: each signal torchrun's agent handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT, or "
+    "--signals-to-handle) ends the run, with where each rank was, even where the parent left it ignored",
+    lambda sigs: [_patches.Step(f"signal.signal({s.name})", _ending_on(s)) for s in sigs],  # type: ignore[attr-defined]
+    ["signal.signal(*)"],
+    per="run",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -274,16 +316,15 @@ def _script_changes(script: Hashable) -> list[_patches.Change]:
         _patches.Attr(sys, "argv", script.argv, restore="always"),  # (the script may assign its own)
         _patches.Step("sys.path", path_first),
         _patches.Item(sys.modules, "__main__", script.mains, "sys.modules"),
-        _patches.Step("signal.signal(SIGTERM)", _sigterm_handler),
     ]
 
 
 SCRIPT = _patches.PatchSet(
     "aiocoll run's script",
-    "while aiocoll run runs a script: its sys.argv, its directory first on sys.path, each rank's own "
-    "__main__, and SIGTERM interrupting the run as ^C does",
+    "while aiocoll run runs a script in this process: its sys.argv, its directory first on sys.path, and each "
+    "rank's own __main__",
     _script_changes,
-    ["sys.argv", "sys.path", "sys.modules['__main__']", "signal.signal(SIGTERM)"],
+    ["sys.argv", "sys.path", "sys.modules['__main__']"],
     per="run",
 )
 
@@ -387,6 +428,11 @@ def _rank_main(
 def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = False) -> int:
     """``aiocoll run [options] script [args]``: the exit code (0, or 1 if a rank failed, as torchrun's).
 
+    Every rank runs in this process, unless the script does what only a process of its own
+    can (``_scriptread`` reads it before it runs; a rank meets it at run time) or
+    ``--processes`` says so: then each rank runs in a process of its own (``_processes``),
+    and the user is told why, once.
+
     ``exit_when_interrupted`` (the command line's): after ^C or SIGTERM the process ends at
     once, as torchrun's workers do when it stops them, without the interpreter's clean-up
     (about 0.8 s with torch loaded) and without waiting for ranks left running.
@@ -407,6 +453,85 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     except OSError as e:
         print(f"aiocoll run: --log-dir {spec.logs.log_dir}: {e}", file=sys.stderr)
         return 2
+    with _patches.lease(SIGNALS, tuple(spec.signals)):
+        try:
+            code = _main(spec, rdzv, run_dir)
+        except _Signalled as e:  # (in processes; in this process, _run_once reports it)
+            name = signal.Signals(e.signum).name
+            print(
+                f"aiocoll run: got signal {name}: the ranks were stopped (exit code 1, as torchrun's)",
+                file=sys.stderr,
+            )
+            code = None
+    if code is not None:
+        return code
+    if exit_when_interrupted:  # interrupted: 1, as torchrun's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 1
+
+
+def _main(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | None:
+    """The run's exit code; None if a signal ended it in this process (reported)."""
+    need = _needs_processes(spec)
+    if need is not None:
+        print(
+            f"aiocoll run: {spec.script} runs in processes, one per rank, as under torchrun: {need} "
+            "(--processes starts there directly; --in-process keeps every rank in this process)",
+            file=sys.stderr,
+        )
+        return _in_processes(spec, rdzv, run_dir, fork=_processes.fork_safe())
+    outcome = _in_this_process(spec, rdzv, run_dir)
+    if outcome is None or isinstance(outcome, int):
+        return outcome
+    where = _call_site(outcome, spec.script)
+    if spec.place == "in-process":
+        print(
+            f"aiocoll run: {spec.script} needs processes of its own ({outcome}{where}); "
+            "run it without --in-process (or with --processes) to run each rank in a process of its own",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"aiocoll run: {spec.script} needs processes of its own ({outcome}{where}): every rank was stopped, and "
+        "what the attempt did until then (its output, files, checkpoints) stays done; the run starts again "
+        "in processes, one per rank, as under torchrun (--processes starts there directly)",
+        file=sys.stderr,
+    )
+    # fresh interpreters: the attempt left threads (torch's, gloo's) that a fork would copy mid-work
+    return _in_processes(spec, rdzv, run_dir, fork=False)
+
+
+def _needs_processes(spec: RunSpec) -> str | None:
+    """Why the run starts in processes, said once (None: in this process)."""
+    if spec.place == "processes":
+        return "--processes was given"
+    if spec.place == "in-process":
+        return None
+    path: str | None = spec.script
+    if spec.module:
+        try:
+            found = importlib.util.find_spec(spec.script)
+        except (ImportError, ValueError):
+            found = None
+        path = found.origin if found is not None and found.has_location else None
+    need = None if path is None else _scriptread.read(path)
+    return None if need is None else f"it {need}"
+
+
+def _in_processes(spec: RunSpec, rdzv: _Rendezvous, run_dir: str, *, fork: bool) -> int:
+    def env_of(rank: int, restart: int, attempt_dir: str) -> dict[str, str]:
+        env = worker_env(rank, spec, rdzv, restart)
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
+        return env
+
+    return _processes.run(spec, run_dir, env_of, fork=fork)
+
+
+def _in_this_process(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | _procstate.NeedsProcess | None:
+    """Every attempt with every rank in this process: the exit code, the refusal a rank met (the run
+    stopped), or None if a signal interrupted it (reported)."""
     script_code = None
     if not spec.module:
         try:
@@ -426,13 +551,7 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
             with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
                 rank_main = _rank_main(spec, script_code, restart, attempt_dir, rdzv, mains)
                 code = _run_once(spec, rank_main, spawned)
-            if code is None:  # interrupted: no restart; 1 as torchrun's
-                if exit_when_interrupted:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(1)
-                return 1
-            if code == 0 or restart == spec.max_restarts:
+            if code is None or isinstance(code, _procstate.NeedsProcess) or code == 0 or restart == spec.max_restarts:
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
     return 1  # (not reached)
@@ -470,8 +589,10 @@ def _call_site(e: BaseException, script: str) -> str:
     return out
 
 
-def _run_once(spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn.Starter) -> int | None:
-    """One run of the world: its exit code, or None if a signal interrupted it."""
+def _run_once(
+    spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn.Starter
+) -> int | _procstate.NeedsProcess | None:
+    """One run of the world: its exit code, the refusal a rank met, or None if a signal interrupted it."""
     size = spec.size
     world = _procworld.InProcessWorld(
         size, spec.timeout, _NO_DEADLINE, spec.name, options=spec.world_options, grace=_WIND_DOWN
@@ -493,13 +614,7 @@ def _run_once(spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn
                 spawn_call.abandon(grace=_WIND_DOWN)
             return None
     if end.needs_process is not None:
-        where = _call_site(end.needs_process, spec.script)
-        print(
-            f"aiocoll run: {spec.script} needs processes of its own ({end.needs_process}{where}); "
-            "run it under torchrun",
-            file=sys.stderr,
-        )
-        return 1
+        return end.needs_process
     if end.error is None:
         return 0
     _report(end.error, size, started)

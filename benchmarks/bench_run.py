@@ -13,6 +13,9 @@ round so that a slower minute of the machine falls on both:
   beside it ``spawn``, the same collective on 4 sync ranks of ``aiocoll.spawn`` with its
   imports (``python -c``): what ``aiocoll run`` adds on top of a plain world is its own
   start-up cost;
+- each script also under ``aiocoll run --processes``: a process per rank, forked from the
+  launcher once it has imported torch (the processes mode, for scripts one process
+  cannot serve);
 - ``ddp``: DDP training of a small MLP for ``--steps`` steps (a forward, a backward with its
   gradient all_reduce, an optimizer step per step).
 
@@ -109,9 +112,11 @@ def main() -> None:
             "import torch.distributed": [py, "-c", "import torch.distributed"],
             "small: torchrun": [*torchrun, "small.py"],
             "small: aiocoll run": [*aiocoll_run, "small.py"],
+            "small: aiocoll run --processes": [*aiocoll_run, "--processes", "small.py"],
             "small: spawn (python -c)": [py, "-c", textwrap.dedent(SPAWN)],
             "ddp: torchrun": [*torchrun, "ddp.py", str(args.steps)],
             "ddp: aiocoll run": [*aiocoll_run, "ddp.py", str(args.steps)],
+            "ddp: aiocoll run --processes": [*aiocoll_run, "--processes", "ddp.py", str(args.steps)],
         }
         commands = {k: v for k, v in commands.items() if ":" not in k or k.split(":")[0] in cases}
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -126,19 +131,23 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n4 ranks, {args.rounds} rounds alternating, DDP {args.steps} steps; median wall seconds (min-max)\n")
-    print(f"{'command':<28} {'median s':>9} {'min-max s':>13} {'failed runs':>12}")
+    print(f"{'command':<32} {'median s':>9} {'min-max s':>13} {'failed runs':>12}")
     for key, values in times.items():
-        print(f"{key:<28} {med[key]:>9.2f} {min(values):>6.2f}-{max(values):<6.2f} {len(failed[key]):>12}")
+        print(f"{key:<32} {med[key]:>9.2f} {min(values):>6.2f}-{max(values):<6.2f} {len(failed[key]):>12}")
     for key, fails in failed.items():
         for f in fails:
             print(f"\n{key} failed once (run again): {f}")
     print()
     if "small" in cases:
         print(f"small: torchrun / aiocoll run         {med['small: torchrun'] / med['small: aiocoll run']:.2f}x")
+        processes = med["small: torchrun"] / med["small: aiocoll run --processes"]
+        print(f"small: torchrun / aiocoll run --processes  {processes:.2f}x")
         extra = med["small: aiocoll run"] - med["small: spawn (python -c)"]
         print(f"small: aiocoll run - spawn            {extra:+.2f} s  (aiocoll run's own start-up)")
     if "ddp" in cases:
         print(f"ddp:   torchrun / aiocoll run         {med['ddp: torchrun'] / med['ddp: aiocoll run']:.2f}x")
+        processes = med["ddp: torchrun"] / med["ddp: aiocoll run --processes"]
+        print(f"ddp:   torchrun / aiocoll run --processes  {processes:.2f}x")
 
 
 if __name__ == "__main__":

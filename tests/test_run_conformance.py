@@ -91,12 +91,15 @@ LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     "aiocoll": [sys.executable, "-m", "aiocoll", "run"],
 }
+PROCESSES = [sys.executable, "-m", "aiocoll", "run", "--processes"]  # (its processes mode, forked ranks)
 
 
-def _both(tmp_path: Path, script: str = SCRIPT) -> list[tuple[str, list[str], Path]]:
-    """Each launcher with a directory of its own holding ``script`` as ``script.py``."""
+def _both(
+    tmp_path: Path, script: str = SCRIPT, aiocoll: list[str] = LAUNCHERS["aiocoll"]
+) -> list[tuple[str, list[str], Path]]:
+    """Each launcher (``aiocoll``: that command) with a directory of its own holding ``script`` as ``script.py``."""
     out = []
-    for name, launcher in LAUNCHERS.items():
+    for name, launcher in {**LAUNCHERS, "aiocoll": aiocoll}.items():
         tmp = tmp_path / name
         tmp.mkdir()
         (tmp / "script.py").write_text(textwrap.dedent(script), encoding="utf-8")
@@ -140,9 +143,10 @@ def _environments(lines: list[str]) -> list[dict[str, str]]:
     ],
     ids=["plain", "tee-filtered", "redirected-one-teed"],
 )
-def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[str]) -> None:
+@pytest.mark.parametrize("aiocoll", [LAUNCHERS["aiocoll"], PROCESSES], ids=["in-process", "processes"])
+def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[str], aiocoll: list[str]) -> None:
     results = {}
-    for name, launcher, tmp in _both(tmp_path):
+    for name, launcher, tmp in _both(tmp_path, aiocoll=aiocoll):
         code, out, err = _launch(launcher, tmp, options, ["two-writes"] if options else [])
         results[name] = (code, sorted(out), sorted(err), _log_files(tmp))
     torchrun, aiocoll = results["torchrun"], results["aiocoll"]
@@ -162,9 +166,10 @@ def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[s
         assert without_env(aiocoll[3][key].splitlines()) == without_env(text.splitlines()), key
 
 
-def test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("aiocoll", [LAUNCHERS["aiocoll"], PROCESSES], ids=["in-process", "processes"])
+def test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file(tmp_path: Path, aiocoll: list[str]) -> None:
     codes = {}
-    for name, launcher, tmp in _both(tmp_path):
+    for name, launcher, tmp in _both(tmp_path, aiocoll=aiocoll):
         codes[name], _, _ = _launch(launcher, tmp, [], ["fail"])
         # @record wrote the failing rank's error file where TORCHELASTIC_ERROR_FILE said, and only its
         error_files = sorted(p.parts[-2] for p in (tmp / "logs").glob("*/attempt_0/*/error.json"))
@@ -184,6 +189,46 @@ def test_run_specific_values_are_chosen_as_torchrun_chooses_them(tmp_path: Path)
     assert [(e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs] == [("29123", "none")] * 2
     for rank, env in sorted((int(e["RANK"]), e) for e in envs):
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(os.path.join("attempt_0", str(rank), "error.json"))
+
+
+# one script per kind of call that only a process of its own can make: aiocoll run runs them
+# in processes (read from the script), with torchrun's results
+NEEDS_PROCESSES = {
+    "pid": "print(f'SCRIPT {r}: a pid of its own {os.getpid() != os.getppid()}\\n', end='')",
+    "exit": "dist.barrier()\nif r == 1:\n    os._exit(3)\ndist.barrier()",
+    "signal": (
+        "signal.signal(signal.SIGUSR1, lambda *a: print(f'SCRIPT {r}: handled\\n', end=''))\n"
+        "signal.raise_signal(signal.SIGUSR1)"
+    ),
+    "gloo": (
+        "pg = dist.ProcessGroupGloo(dist.PrefixStore('own', dist.TCPStore(os.environ['MASTER_ADDR'], "
+        "int(os.environ['MASTER_PORT']))), r, dist.get_world_size())\n"
+        "u = torch.ones(1)\npg.allreduce([u]).wait()\nprint(f'SCRIPT {r}: own gloo {u.item():g}\\n', end='')"
+    ),
+    "profiler": (
+        "with torch.profiler.profile() as prof:\n    torch.ones(4).sum()\n"
+        "print(f'SCRIPT {r}: profiled {len(prof.key_averages()) > 0}\\n', end='')"
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NEEDS_PROCESSES))
+def test_a_script_one_process_cannot_serve_gives_torchrun_s_results(tmp_path: Path, kind: str) -> None:
+    body = (
+        "import os, signal, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nr = dist.get_rank()\n"
+        f"{NEEDS_PROCESSES[kind]}\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint(f'SCRIPT {r}: sum {t.item():g}\\n', end='')\n"
+    )
+    results = {}
+    for name, launcher, tmp in _both(tmp_path, body):
+        for _ in range(2):  # (torchrun's workers abort at exit now and then: DESIGN 7)
+            code, out, _ = _launch(launcher, tmp, [], [], nproc=3)
+            if code == 0 or kind == "exit":
+                break
+        results[name] = (code, sorted(out))
+    assert results["aiocoll"] == results["torchrun"]
+    assert results["torchrun"][0] == (1 if kind == "exit" else 0)
 
 
 ROOT = Path(__file__).resolve().parents[1]

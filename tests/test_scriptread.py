@@ -1,0 +1,70 @@
+"""``_scriptread``: what a script needs processes for, read from its syntax tree (and its own modules')."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aiocoll._scriptread import Need, read
+
+
+def write(path: Path, body: str) -> str:
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("body", "why", "line"),
+    [
+        ("import os\nprint(os.getpid())\n", "takes its process id (os.getpid())", 2),
+        ("from os import getpid as gp\nx = 1\ngp()\n", "takes its process id (os.getpid())", 3),
+        ("import os as o\no._exit(3)\n", "ends its process (os._exit)", 2),
+        ("import os\nos.kill(0, 15)\n", "sends a signal to its own process group (os.kill(0, ...))", 2),
+        ("import signal\ndef f():\n    signal.signal(signal.SIGTERM, print)\n", "installs a signal handler", 3),
+        ("from signal import alarm\nalarm(3)\n", "sets an alarm (signal.alarm)", 2),
+        ("import torch.distributed as dist\ndist.ProcessGroupGloo(1, 2, 3)\n", "makes a ProcessGroupGloo", 2),
+        ("from torch.distributed import rpc\nrpc.init_rpc('w')\n", "starts an RPC agent", 2),
+        ("import torch\nwith torch.profiler.profile() as p:\n    pass\n", "starts torch's profiler", 2),
+        ("model._get_ddp_logging_data()\n", "reads DDP's logging data", 1),
+        ("import accelerate\n", "imports accelerate", 1),
+        ("from pytorch_lightning import Trainer\n", "imports PyTorch Lightning", 1),
+        # the first in the file, however deep
+        ("import os\nif True:\n    print(os.getpid())\nos._exit(0)\n", "takes its process id", 3),
+    ],
+)
+def test_what_only_a_process_can_do_is_read_with_its_line(tmp_path: Path, body: str, why: str, line: int) -> None:
+    path = write(tmp_path / "script.py", body)
+    need = read(path)
+    assert need is not None
+    assert need.why.startswith(why)
+    assert need.where == f"{path}:{line}"
+    assert str(need) == f"{need.why} at {path}:{line}"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import os\nos.kill(child_pid, 15)\n",  # another process: in-process ranks may do it
+        "import os\nprint(os.getcwd(), os.environ['RANK'])\n",
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
+        "getpid()\n",  # a name no import bound: not os's
+        "def kill(): pass\nimport signal\n",
+        "this is not python (\n",  # python reports it when the script runs
+    ],
+)
+def test_what_a_rank_in_a_thread_can_do_needs_nothing(tmp_path: Path, body: str) -> None:
+    assert read(write(tmp_path / "script.py", body)) is None
+
+
+def test_the_script_s_own_modules_are_read_and_installed_ones_are_not(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    write(tmp_path / "pkg" / "__init__.py", "")
+    helper = write(tmp_path / "pkg" / "helper.py", "import os\ndef name():\n    return f'out-{os.getpid()}'\n")
+    write(tmp_path / "util.py", "from pkg import helper\n")
+    script = write(tmp_path / "train.py", "import json, torch\nimport util\nprint(util.helper.name())\n")
+    assert read(script) == Need("takes its process id (os.getpid())", f"{helper}:3")
+    # a module of the directory the script does not import is not its concern
+    (tmp_path / "util.py").write_text("x = 1\n", encoding="utf-8")
+    assert read(script) is None
