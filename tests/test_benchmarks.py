@@ -304,9 +304,10 @@ def test_bench_run_quick() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for row in ("small: torchrun", "small: aiocoll run", "small: spawn (python -c)"):
+    for row in ("small: torchrun", "small: aiocoll run", "small: aiocoll run --processes", "small: spawn (python -c)"):
         assert re.search(rf"^{re.escape(row)} +\d+\.\d\d ", proc.stdout, re.MULTILINE), proc.stdout
     assert "torchrun / aiocoll run" in proc.stdout
+    assert "torchrun / aiocoll run --processes" in proc.stdout
     assert "ddp:" not in proc.stdout
 
 
