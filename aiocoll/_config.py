@@ -86,6 +86,9 @@ class WorldConfig:
     prefix_output: bool = False
     process_group: dist.ProcessGroup | None = None
     sync_ranks: SyncRanks = "turns"
+    # each rank's seed for its generators, as a fresh process's (worlds that stand for
+    # processes: ``_procworld``); None: every rank starts from a copy of the caller's states
+    rank_seeds: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, world: object, options: WorldOptions, *, caller: str) -> WorldConfig:
@@ -134,6 +137,8 @@ class WorldConfig:
             )
         if self.c10d not in ("init", "state", "off"):
             raise bad("c10d", "'init', 'state' or 'off'")
+        if self.rank_seeds is not None and len(self.rank_seeds) != self.size:
+            raise bad("rank_seeds", f"one seed per rank ({self.size})")
 
 
 def _is_int(x: object) -> bool:

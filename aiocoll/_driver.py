@@ -130,6 +130,7 @@ class WorldRun:
                 stack.callback(recorder.write_trace, cfg.trace)  # even when the run fails
         rng = None if cfg.schedule_seed is None else random.Random(cfg.schedule_seed)
         w = World(cfg.size, loop, cfg.timeout, hybrid, recorder=recorder, faults=plan, rng=rng)
+        w.rank_seeds = cfg.rank_seeds
         self._outcome = Outcome(w)
         local = [st for st in w.ranks if hybrid is None or st.rank in hybrid.local]
         order = list(local)
@@ -140,7 +141,7 @@ class WorldRun:
         stack.callback(_c10d.release, w, self.runners)
         if cfg.sync_ranks == "turns" and hybrid is None and not self.is_async:
             # (a hybrid world's bridge runs on the loop: its sync ranks run in parallel)
-            self._locals = stack.enter_context(contextlib.closing(RankLocals(cfg.size)))
+            self._locals = stack.enter_context(contextlib.closing(RankLocals(cfg.size, cfg.rank_seeds)))
             self._cpus = SameCpu.detect(cfg.size)
             w.take_turns(Turns(cfg.size, w.rng, self._locals.switch, self._cpus))
         if c10d != "off":

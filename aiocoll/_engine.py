@@ -580,6 +580,8 @@ class World:
         # or the faults telling the recorder
         self.probe: Probe | None = recorder if faults is None else FaultProbe(faults, recorder)
         self.rng = rng  # a seeded schedule's choices, when one is set
+        # each rank's seed for its generators, where the world stands for fresh processes
+        self.rank_seeds: tuple[int, ...] | None = None
         # its ranks' asyncio tasks, found, counted and cancelled (see aiocoll._tasks)
         self.tasks = WorldTasks(self)
         # rendezvous whose calls disagree: reported once every rank has shown its call, or

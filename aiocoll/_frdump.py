@@ -307,6 +307,8 @@ def dump_world(world: Any, prefix: str | os.PathLike[str] | None = None) -> list
             return info
 
         dumps[r] = rank_dump(r, ring, group_of, lib="nccl", floors=floors, timeout_ms=timeout_ms, clock=clock)
+        if w.rank_seeds is not None:  # (a key of aiocoll's own: torch's analyzer reads only its own)
+            dumps[r]["aiocoll_rank_seed"] = w.rank_seeds[r]
     return write(resolve_prefix(prefix), dumps)
 
 

@@ -20,8 +20,11 @@ default dtype (``torch.set_default_dtype``): the rank that takes its turn puts i
 in force (a few attribute writes), so that each rank's hooks see its modules only
 and its new tensors get its dtype.
 
-Every rank starts with a copy of the states of the thread that called ``spawn`` (as a
-forked process would); that thread gets its own states back when the world ends.
+Under ``spawn`` every rank starts with a copy of the states of the thread that called it
+(as a forked process would); that thread gets its own states back when the world ends.
+Worlds that stand for processes started fresh (``aiocoll run``, ``mp.spawn`` in it, the
+process-harness drop-in) give each rank a seed of its own instead (``Seeds``), as torch,
+``random`` and NumPy seed themselves anew in each fresh process.
 
 >>> import random, torch, aiocoll
 >>> def worker(comm):
@@ -35,9 +38,13 @@ forked process would); that thread gets its own states back when the world ends.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import random
+import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +52,55 @@ import torch
 
 from . import _current, _patches, _torch
 
-__all__ = ["NUMPY_RANDOM", "RANDOM", "RankLocals"]
+__all__ = ["NUMPY_RANDOM", "RANDOM", "RankLocals", "Seeds"]
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """Where a world's per-rank seeds come from: ``base`` (given, or drawn afresh) and ``salt`` (which world).
+
+    Each rank's seed is a hash of the three, 63 bits: the same ``base`` gives the same
+    seeds again, which replays what the ranks drew.
+
+    >>> Seeds(7, "attempt 0").of(3) == Seeds(7, "attempt 0").of(3)
+    True
+    >>> len(set(Seeds(7, "attempt 0").of(4)) | set(Seeds(7, "attempt 1").of(4)))
+    8
+    """
+
+    base: int
+    salt: str = ""
+    given: bool = True  # the user chose ``base`` (``--seed``), rather than the system's entropy
+
+    @classmethod
+    def fresh(cls, salt: str = "") -> Seeds:
+        """Seeds from the system's entropy, as a fresh process's generators get theirs."""
+        return cls(secrets.randbits(63), salt, given=False)
+
+    def of(self, size: int) -> tuple[int, ...]:
+        """One seed per rank."""
+        return tuple(self.seed(rank) for rank in range(size))
+
+    def seed(self, rank: int) -> int:
+        digest = hashlib.blake2b(f"{self.base}/{self.salt}/{rank}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> 1
+
+    def then(self, salt: str) -> Seeds:
+        """The seeds of another world of the same run (an mp.spawn inside it, the next attempt)."""
+        return Seeds(self.base, f"{self.salt}/{salt}", self.given)
+
+
+def seeded_states(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """torch's CPU generator state, and each initialised CUDA device's, as ``torch.manual_seed(seed)`` makes them."""
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    return cpu, [torch.Generator(device=g.device).manual_seed(seed).get_state() for g in _cuda_generators()]
+
+
+def numpy_seed(seed: int) -> list[int]:
+    """The words NumPy's ``RandomState``/``seed`` take, from a rank's seed (another key than ``random``'s:
+    both are Mersenne Twisters seeded by an array of words, and would draw the same numbers)."""
+    digest = hashlib.blake2b(f"numpy/{seed}".encode(), digest_size=8).digest()
+    return [int.from_bytes(digest[:4], "big"), int.from_bytes(digest[4:], "big")]
 
 
 def _cuda_generators() -> list[torch.Generator]:
@@ -70,13 +125,21 @@ class _TorchStates:
     its own turn (a rank whose copy the keeper has not reached turns its own).
     """
 
-    __slots__ = ("_cpu", "_cuda", "_ended", "_fresh_cuda", "_keeper", "_pending")
+    __slots__ = ("_cpu", "_cuda", "_ended", "_fresh_cuda", "_keeper", "_pending", "_seeds")
 
-    def __init__(self, size: int, cpu: torch.Tensor, cuda: list[torch.Tensor]) -> None:
-        # every rank starts from the states of the thread that called spawn: one tensor
-        # for all, as set_state only reads it (and nothing here updates a state in place)
-        self._cpu = [cpu] * size
-        self._cuda: list[list[torch.Tensor] | None] = [list(cuda) for _ in range(size)]
+    def __init__(
+        self, size: int, cpu: torch.Tensor, cuda: list[torch.Tensor], seeds: Sequence[int] | None = None
+    ) -> None:
+        self._seeds = seeds
+        if seeds is None:
+            # every rank starts from the states of the thread that called spawn: one tensor
+            # for all, as set_state only reads it (and nothing here updates a state in place)
+            self._cpu = [cpu] * size
+            self._cuda: list[list[torch.Tensor] | None] = [list(cuda) for _ in range(size)]
+        else:
+            states = [seeded_states(s) for s in seeds]
+            self._cpu = [c for c, _ in states]
+            self._cuda = [g for _, g in states]
         self._fresh_cuda: list[torch.Tensor] | None = None
         self._pending: dict[int, torch.Generator] = {}  # saved states not yet turned into tensors
         self._keeper: int | None = None  # the rank whose thread turns them into tensors
@@ -122,8 +185,8 @@ class _TorchStates:
             states = self._cuda[rank]
             if not states or len(states) != len(gens):
                 # CUDA was initialised after this rank last ran: it starts as a new
-                # process would, at torch's default seed
-                states = self._fresh(gens)
+                # process would, at torch's default seed (or the rank's own)
+                states = self._fresh(gens) if self._seeds is None else seeded_states(self._seeds[rank])[1]
             for g, s in zip(gens, states, strict=True):
                 g.set_state(s)
 
@@ -232,14 +295,16 @@ class RankLocals:
         "_torch",
         "numpy",
         "python",
+        "seeds",
         "size",
     )
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, seeds: Sequence[int] | None = None) -> None:
         self.size = size
+        self.seeds = None if seeds is None else tuple(seeds)  # each rank's own (None: a copy of the caller's)
         self._caller = torch.default_generator.get_state()
         self._caller_cuda = [g.get_state() for g in _cuda_generators()]
-        self._torch = _TorchStates(size, self._caller, self._caller_cuda)
+        self._torch = _TorchStates(size, self._caller, self._caller_cuda, self.seeds)
         self._loaded: int | None = None  # whose torch states the generators (and hooks) hold now
         self._caller_hooks = _torch.module_hooks.read()
         self._hooks: list[dict[str, Any] | None] = [None] * size  # each rank's, from its first turn
@@ -252,6 +317,11 @@ class RankLocals:
         self._numpy_installed = False
         self._closed = False
         _patches.acquire(RANDOM)
+        if self.seeds is not None and "numpy" in sys.modules:
+            # (torch imports numpy, not its lazy numpy.random: a rank's first draw would
+            # come from the process's generator, before the next turn tracks it; by name:
+            # numpy is never aiocoll's dependency, only used where torch loaded it)
+            importlib.import_module("numpy.random")
         self._track_numpy()
 
     def _track_numpy(self) -> None:
@@ -267,14 +337,17 @@ class RankLocals:
 
     def make(self, key: str, rank: int) -> Any:
         """Rank ``rank``'s own ``random.Random`` (key "python") or NumPy ``RandomState`` ("numpy")."""
+        seed = None if self.seeds is None else self.seeds[rank]
         if key == "python":
-            inst: Any = random.Random()
-            inst.setstate(self._initial[key])
+            inst: Any = random.Random(seed)
+            if seed is None:
+                inst.setstate(self._initial[key])
         else:
             nr = _numpy_random()
             assert nr is not None
-            inst = nr.RandomState()
-            inst.set_state(self._initial[key])
+            inst = nr.RandomState(None if seed is None else numpy_seed(seed))
+            if seed is None:
+                inst.set_state(self._initial[key])
         getattr(self, key)[rank] = inst
         return inst
 
@@ -324,4 +397,5 @@ class RankLocals:
         _patches.release(RANDOM)
 
     def __repr__(self) -> str:
-        return f"<RankLocals size={self.size} loaded={self._loaded} numpy={self._numpy_installed}>"
+        seeded = "copied" if self.seeds is None else "seeded"
+        return f"<RankLocals size={self.size} {seeded} loaded={self._loaded} numpy={self._numpy_installed}>"

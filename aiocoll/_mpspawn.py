@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from . import _outcome, _patches, _procworld, _rankmain, _runlogs
+from ._locals import Seeds
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -101,9 +102,10 @@ def _raise_first_failure(failures: list[tuple[int, BaseException]], error: BaseE
 class Starter:
     """Starts the worlds that ``spawn``/``start_processes`` calls ask for, with the run's settings."""
 
-    def __init__(self, timeout: float | None, deadline: float) -> None:
+    def __init__(self, timeout: float | None, deadline: float, seeds: Seeds | None = None) -> None:
         self.timeout = timeout
         self.deadline = deadline
+        self.seeds = Seeds.fresh() if seeds is None else seeds  # each call's ranks: seeds of their own
         self.contexts: list[SpawnedContext] = []  # every call's, for a report of where its ranks were
 
     def finish(self) -> None:
@@ -153,7 +155,13 @@ class Starter:
                     failures.append((rank, e))
                 raise
 
-        world = _procworld.InProcessWorld(nprocs, self.timeout, self.deadline, f"torch.multiprocessing.spawn({name})")
+        world = _procworld.InProcessWorld(
+            nprocs,
+            self.timeout,
+            self.deadline,
+            f"torch.multiprocessing.spawn({name})",
+            seeds=self.seeds.then(f"mp.spawn {len(self.contexts)}"),  # (fresh processes, told apart)
+        )
         world.start(rank_main)
         context = SpawnedContext(world, failures, daemon)
         self.contexts.append(context)
@@ -196,9 +204,12 @@ MP_SPAWN = _patches.PatchSet(
 
 
 @contextlib.contextmanager
-def spawned_ranks(timeout: float | None, deadline: float) -> Iterator[Starter]:
-    """While the block runs, ``torch.multiprocessing.spawn`` and ``start_processes`` start aiocoll ranks."""
-    starter = Starter(timeout, deadline)
+def spawned_ranks(timeout: float | None, deadline: float, seeds: Seeds | None = None) -> Iterator[Starter]:
+    """While the block runs, ``torch.multiprocessing.spawn`` and ``start_processes`` start aiocoll ranks.
+
+    ``seeds``: those of the run, from which each call's ranks get theirs (None: fresh).
+    """
+    starter = Starter(timeout, deadline, seeds)
     _starters.append(starter)
     try:
         with _patches.lease(MP_SPAWN):

@@ -20,7 +20,9 @@ parent left ignored (``_run.SIGNALS``): the ranks get SIGTERM, no process is lef
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 from . import _rankmain, _runlogs
+from ._locals import Seeds, numpy_seed
 
 if TYPE_CHECKING:
     from ._run import RunSpec
@@ -95,6 +98,7 @@ def run(
     spec: RunSpec,
     run_dir: str,
     env_of: Callable[[int, int, str], dict[str, str]],
+    seeds: Seeds,
     *,
     fork: bool,
 ) -> int:
@@ -102,13 +106,16 @@ def run(
 
     A signal's exception (``_run.SIGNALS``) stops every rank, then goes on.
 
-    ``env_of(rank, restart, attempt_dir)``: the variables rank ``rank`` gets.
+    ``env_of(rank, restart, attempt_dir)``: the variables rank ``rank`` gets; each rank's
+    generators are seeded from ``seeds`` (as in one process: the same attempt and rank,
+    the same seed).
     """
     started = time.time()
     for restart in range(spec.max_restarts + 1):
         with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
             routed = spec.logs.routes_output()
-            ranks = _start(spec, [env_of(r, restart, attempt_dir) for r in range(spec.size)], fork, routed)
+            envs = [env_of(r, restart, attempt_dir) for r in range(spec.size)]
+            ranks = _start(spec, envs, seeds.then(f"attempt {restart}").of(spec.size), fork, routed)
             try:
                 failed = _watch(ranks)
             except BaseException:  # a signal: each rank says where it was, then all stop
@@ -121,28 +128,54 @@ def run(
         if failed is None:
             return 0
         if restart == spec.max_restarts:
-            _report(spec, failed, ranks, attempt_dir, started)
+            _report(spec, failed, ranks, attempt_dir, started, seeds)
             return 1
         print(f"aiocoll run: restarting the ranks' processes ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
     return 1  # (not reached)
 
 
-def _start(spec: RunSpec, envs: Sequence[dict[str, str]], fork: bool, routed: bool) -> list[RankProcess]:
+def _start(
+    spec: RunSpec, envs: Sequence[dict[str, str]], seeds: Sequence[int], fork: bool, routed: bool
+) -> list[RankProcess]:
     ranks: list[RankProcess] = []
     try:
-        for rank, env in enumerate(envs):
-            ranks.append(_fork(spec, rank, env, routed) if fork else _interpreter(spec, rank, env, routed))
+        for rank, (env, seed) in enumerate(zip(envs, seeds, strict=True)):
+            start = _fork if fork else _interpreter
+            ranks.append(start(_RankSpec.of(spec, env, seed), rank, routed))
     except BaseException:
         _stop(ranks)
         raise
     return ranks
 
 
-def _interpreter(spec: RunSpec, rank: int, env: dict[str, str], routed: bool) -> RankProcess:
-    """Rank ``rank`` in a fresh interpreter: torchrun's own command for a worker."""
-    args = [sys.executable, "-u", *(["-m"] if spec.module else []), spec.script, *spec.script_args]
+def replay_note(seeds: Seeds) -> str:
+    """What a failed run says of its ranks' seeds: how to draw the same numbers again."""
+    return f"aiocoll: the ranks' generators were seeded from {seeds.base} (--seed {seeds.base} draws the same again)"
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """What one rank's process runs: the script (or module) and its arguments, its variables and its seed."""
+
+    script: str
+    args: tuple[str, ...]
+    module: bool
+    env: dict[str, str]
+    seed: int
+
+    @classmethod
+    def of(cls, spec: RunSpec, env: dict[str, str], seed: int) -> _RankSpec:
+        return cls(spec.script, spec.script_args, spec.module, env, seed)
+
+
+_INTERPRETER_MAIN = "import aiocoll._processes as p; p.interpreter_main()"
+
+
+def _interpreter(rank_spec: _RankSpec, rank: int, routed: bool) -> RankProcess:
+    """Rank ``rank`` in a fresh interpreter (``python -u``, as torchrun starts a worker) running ``_rank_process``."""
+    args = [sys.executable, "-u", "-c", _INTERPRETER_MAIN, json.dumps(dataclasses.asdict(rank_spec))]
     pipe = subprocess.PIPE if routed else None
-    popen = subprocess.Popen(args, env={**os.environ, **env}, stdout=pipe, stderr=pipe)
+    popen = subprocess.Popen(args, env={**os.environ, **rank_spec.env}, stdout=pipe, stderr=pipe)
     p = RankProcess(rank, popen.pid, popen)
     if routed:
         assert popen.stdout is not None
@@ -151,7 +184,13 @@ def _interpreter(spec: RunSpec, rank: int, env: dict[str, str], routed: bool) ->
     return p
 
 
-def _fork(spec: RunSpec, rank: int, env: dict[str, str], routed: bool) -> RankProcess:
+def interpreter_main() -> None:
+    """A fresh interpreter's rank: ``sys.argv[1]`` holds its ``_RankSpec``."""
+    fields = json.loads(sys.argv[1])
+    os._exit(_rank_process(_RankSpec(**{**fields, "args": tuple(fields["args"])})))
+
+
+def _fork(rank_spec: _RankSpec, rank: int, routed: bool) -> RankProcess:
     """Rank ``rank`` forked from this process, which runs the script in the child and never returns there."""
     pipes = [os.pipe(), os.pipe()] if routed else []
     sys.stdout.flush()
@@ -164,7 +203,7 @@ def _fork(spec: RunSpec, rank: int, env: dict[str, str], routed: bool) -> RankPr
                 os.dup2(w, 1 + i)
                 os.close(r)
                 os.close(w)
-            code = _rank_process(spec, env)
+            code = _rank_process(rank_spec)
         finally:
             os._exit(code)  # (never back into the launcher's frames)
     p = RankProcess(rank, pid)
@@ -175,8 +214,8 @@ def _fork(spec: RunSpec, rank: int, env: dict[str, str], routed: bool) -> RankPr
     return p
 
 
-def _rank_process(spec: RunSpec, env: dict[str, str]) -> int:
-    """In a forked rank: run the script as ``python -u`` would in a fresh process; its exit code."""
+def _rank_process(rank: _RankSpec) -> int:
+    """In a rank's process: run the script as ``python -u`` would in a fresh process; its exit code."""
     # as a fresh interpreter has them under torchrun, whose agent handles these signals
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -186,22 +225,21 @@ def _rank_process(spec: RunSpec, env: dict[str, str]) -> int:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(write_through=True)  # type: ignore[union-attr]
-    # a fresh process's generators: torch, random and NumPy seed themselves anew per process,
-    # where a fork would copy this one's states to every rank
-    _reseed()
+    # generators seeded anew, as a fresh process's (a fork would copy this one's to every rank)
+    _reseed(rank.seed)
     # where the rank was, when the run is interrupted (``_stop``)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=False, chain=False)
-    os.environ.update(env)
-    sys.argv[:] = [spec.script, *spec.script_args]
+    os.environ.update(rank.env)
+    sys.argv[:] = [rank.script, *rank.args]
     module = types.ModuleType("__main__")
     try:
-        if spec.module:
+        if rank.module:
             sys.path[0] = os.getcwd()
-            code, names = _rankmain.module_main(spec.script)
+            code, names = _rankmain.module_main(rank.script)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(spec.script))
-            with open(spec.script, "rb") as f:
-                code, names = compile(f.read(), spec.script, "exec"), {"__file__": spec.script, "__cached__": None}
+            sys.path[0] = os.path.dirname(os.path.abspath(rank.script))
+            with open(rank.script, "rb") as f:
+                code, names = compile(f.read(), rank.script, "exec"), {"__file__": rank.script, "__cached__": None}
         module.__dict__.update(names, __builtins__=__builtins__)
         sys.modules["__main__"] = module
         exec(code, module.__dict__)
@@ -218,17 +256,17 @@ def _rank_process(spec: RunSpec, env: dict[str, str]) -> int:
     return _finish(status)
 
 
-def _reseed() -> None:
-    """Seed torch's, ``random``'s and NumPy's global generators from the system's entropy, as a fresh process does."""
+def _reseed(seed: int) -> None:
+    """Seed torch's (CPU and CUDA), ``random``'s and NumPy's global generators as a rank's are in one process."""
     import random
 
     import torch
 
-    torch.seed()
-    random.seed()
+    torch.manual_seed(seed)
+    random.seed(seed)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        numpy.random.seed()
+        numpy.random.seed(numpy_seed(seed))
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -325,7 +363,9 @@ def _stop(ranks: list[RankProcess], say_where: bool = False) -> None:
                 p.code = os.waitstatus_to_exitcode(os.waitpid(p.pid, 0)[1])
 
 
-def _report(spec: RunSpec, failed: RankProcess, ranks: list[RankProcess], attempt_dir: str, started: float) -> None:
+def _report(
+    spec: RunSpec, failed: RankProcess, ranks: list[RankProcess], attempt_dir: str, started: float, seeds: Seeds
+) -> None:
     """The first failure, as torchrun's summary puts it: its rank, exit code and pid, and its error file's message."""
     code = failed.code if failed.code is not None else 1
     how = f"exitcode {code}" if code >= 0 else f"exitcode {code} (signal {signal.Signals(-code).name})"
@@ -341,6 +381,7 @@ def _report(spec: RunSpec, failed: RankProcess, ranks: list[RankProcess], attemp
     others = [p for p in ranks if p is not failed and p.code not in (0, None)]
     for p in others:
         print(f"  rank {p.rank}: exitcode {p.code} (pid: {p.pid}), stopped or failed after it", file=sys.stderr)
+    print(replay_note(seeds), file=sys.stderr)
     print("=" * 60, file=sys.stderr)
 
 

@@ -11,12 +11,18 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   it, where the last writer wins; it is put back as it was once the test ends.
 - ``ProcessOnly``: calls that only a process of its own can make (``os._exit``, a
   signal to itself, ``signal.signal``, a gloo group made directly, whose ranks would
-  wait for each other inside gloo, an RPC agent, torch's profiler, the process id taken
-  by the rank's own code, DDP's logging data, ``logging``'s configuration, a library
+  wait for each other inside gloo, an RPC agent, torch's profiler, DDP's logging data,
+  ``logging``'s configuration, a library
   known to keep state once per process: ``OnePerProcess``) raise ``NeedsProcess``
   in a rank thread instead of ending, disturbing or hanging the whole test process (or
   configuring it for every rank and the rest of the run); the harness then runs that
   test in processes after all.
+- ``rank_pid``: the process id a rank's own code reads (``os.getpid()``): one of its own,
+  stable for its life, distinct between ranks, and above any real process id (Linux's
+  ``pid_max`` is 4,194,304 at most), so that using it on the system (a signal, ``/proc``,
+  ``psutil``, a wait) fails loudly rather than acting on another process; a signal to it
+  is a signal to the rank's own process (``NeedsProcess``). Libraries (``logging``'s
+  ``%(process)d``) get the real one.
 - ``RankLogging`` (``_logstate``): each rank's ``logging`` configuration, handlers,
   levels and all; what it added is flushed and closed when the rank ends.
 - ``RankExit``: what a rank's test code registers with ``atexit`` runs when the rank
@@ -44,6 +50,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.abc
+import itertools
 import os
 import signal
 import sys
@@ -70,6 +77,7 @@ if TYPE_CHECKING:
     from ._torch import Store
 
 __all__ = [
+    "PID_FLOOR",
     "RANK_PROCESSES",
     "Cooperative",
     "NeedsProcess",
@@ -79,6 +87,7 @@ __all__ = [
     "RankThreads",
     "bind",
     "bound_rank",
+    "rank_pid",
     "run_exit_handlers",
     "unbind",
 ]
@@ -159,6 +168,12 @@ _EXITS: _current.Facet[list[tuple[Callable[..., object], tuple[object, ...], dic
     _current.Facet("atexit", None, carried=True)
 )
 _LOGGING: _current.Facet[RankLogging | None] = _current.Facet("logging", None, carried=True)
+# the rank's process id, as its own code reads it (carried: a process's threads share its pid)
+_PID: _current.Facet[int | None] = _current.Facet("pid", None, carried=True)
+
+# above Linux's largest pid_max (2**22): no real process has one of these ids
+PID_FLOOR = 4_194_305
+_pids = itertools.count(PID_FLOOR)
 _Store: type[Store] = dist.Store  # type: ignore[attr-defined]  # (its stubs do not export it)
 
 
@@ -179,11 +194,17 @@ def bind(
     _STEPPED_OUT.set(stepped_out)
     _EXITS.set([])
     _LOGGING.set(RankLogging())
+    _PID.set(next(_pids))
 
 
 def unbind() -> None:
-    for facet in (_RANK, _ENVIRON, _PAUSE, _STEPPED_OUT, _EXITS, _LOGGING):
+    for facet in (_RANK, _ENVIRON, _PAUSE, _STEPPED_OUT, _EXITS, _LOGGING, _PID):
         facet.set(None)
+
+
+def rank_pid() -> int | None:
+    """The process id the calling rank's own code reads (None: not in a rank that stands for a process)."""
+    return _PID.get()
 
 
 def _stand_in(wrapper: F, real: Callable[..., object], name: str) -> F:
@@ -317,7 +338,10 @@ class ProcessOnly:
             out.append((module, name, _stand_in(wrapper, real, name)))
 
         def to_self(pid: int, sig: int) -> str | None:
-            return f"sent signal {sig} to its own process" if pid in (0, os.getpid()) else None
+            own = pid in (0, real_getpid()) or (pid >= PID_FLOOR and pid == _PID.get())
+            return f"sent signal {sig} to its own process" if own else None
+
+        real_getpid = os.getpid
 
         def gloo(pg: object, store: object, rank: int, size: int, *args: object, **kwargs: object) -> str | None:
             return (
@@ -358,18 +382,18 @@ class ProcessOnly:
 
     @staticmethod
     def _getpid(real: Callable[[], int]) -> Callable[[], int]:
-        """``os.getpid``, refused to a rank's own code: a process id taken as the rank's
-        identity (a file named by it) would be every rank's. Libraries (the standard library's
-        ``logging``, installed packages) get the real one."""
+        """``os.getpid``: the rank's own (``rank_pid``) to its own code, which may take it as the
+        rank's identity (a file named by it); libraries (the standard library's ``logging``,
+        installed packages, aiocoll) get the real one."""
         libraries = (*RankExit.LIBRARIES, PACKAGE_DIR, "<")  # ("<frozen ...>", "<string>": no file of the rank's)
         tests = ProcessOnly.TORCH_TESTS
 
         def getpid() -> int:
-            rank = _RANK.get()
-            if rank is not None:
+            pid = _PID.get()
+            if pid is not None:
                 where = sys._getframe(1).f_code.co_filename
                 if not where.startswith(libraries) or where.startswith(tests):
-                    raise NeedsProcess(rank, "took its process id (os.getpid()), which the ranks of one process share")
+                    return pid
             return real()
 
         return _stand_in(getpid, real, "getpid")

@@ -42,6 +42,7 @@ from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
 from ._engine import World, current_rank_state
 from ._errors import WorldAbortedError
+from ._locals import Seeds
 from ._outcome import echoes_abort
 from ._paths import PACKAGE_DIR
 from ._stats import RankStatistics
@@ -159,7 +160,9 @@ class InProcessWorld:
     that outlives one test (continuous tests) is driven by ``start``, ``wait`` and ``end``.
     ``options``: more of the world's configuration (``aiocoll run``'s ``--trace``, ...);
     ``grace``: seconds ranks get to wind down once cancelled, before they are left behind
-    (None: ``GRACE``, as it is when the world is made).
+    (None: ``GRACE``, as it is when the world is made). ``seeds``: where each rank's
+    generators start, as a fresh process's are seeded anew (None: from the system's
+    entropy; ``aiocoll run --seed`` gives its own).
     """
 
     def __init__(
@@ -171,8 +174,10 @@ class InProcessWorld:
         *,
         options: WorldOptions | None = None,
         grace: float | None = None,
+        seeds: Seeds | None = None,
     ) -> None:
         self.size = size
+        self.seeds = Seeds.fresh() if seeds is None else seeds
         self.collective_timeout = collective_timeout
         self.deadline = deadline
         self.name = name  # the test's id, in the watchdog's report
@@ -308,7 +313,8 @@ class InProcessWorld:
                     _HERE.set(None)
 
         config = WorldConfig.of(self.size, {**self._options, "timeout": self.collective_timeout}, caller=self.name)
-        await WorldRun(rank_fn, dataclasses.replace(config, c10d="state")).run()
+        seeded = dataclasses.replace(config, c10d="state", rank_seeds=self.seeds.of(self.size))
+        await WorldRun(rank_fn, seeded).run()
 
     def places(self) -> dict[int, RankPlace]:
         """Where each rank still running is now: its stack from its own code in, and its state."""

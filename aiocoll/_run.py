@@ -42,6 +42,7 @@ import torch
 from . import _mpspawn, _patches, _processes, _procstate, _procworld, _rankmain, _runlogs, _scriptread, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SyncRanks, WorldOptions
 from ._errors import RankExitedError
+from ._locals import Seeds
 from ._paths import PACKAGE_DIR
 
 __all__ = ["RunSpec", "main", "parser", "worker_env"]
@@ -88,6 +89,14 @@ def parser() -> argparse.ArgumentParser:
     own = p.add_argument_group("aiocoll's own options")
     own.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds a rank may wait in one collective")
     own.add_argument("--schedule-seed", type=int, default=None, help="run the ranks in a seeded random turn order")
+    own.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seed each rank's torch, random and NumPy generators from N (default: anew each run, as fresh "
+        "processes are; a failed run says its N, to draw the same numbers again)",
+    )
     own.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace of every collective")
     own.add_argument(
         "--record", type=int, default=DEFAULT_RECORD, metavar="N", help="flight recorder: the last N ops of each rank"
@@ -142,6 +151,7 @@ class RunSpec:
     record: int
     trace: str | None
     schedule_seed: int | None
+    seed: int | None  # --seed: where every rank's generators start (None: anew each run)
     sync_ranks: SyncRanks
     logs: _runlogs.LogsSpec
     role: str
@@ -164,6 +174,7 @@ class RunSpec:
             record=args.record,
             trace=args.trace,
             schedule_seed=args.schedule_seed,
+            seed=args.seed,
             sync_ranks=cast("SyncRanks", args.sync_ranks),  # (one of the parser's choices)
             logs=logs,
             role=args.role,
@@ -474,6 +485,8 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
 
 def _main(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | None:
     """The run's exit code; None if a signal ended it in this process (reported)."""
+    # the ranks' seeds: the same per attempt and rank in both modes (a replay may go either way)
+    seeds = Seeds.fresh() if spec.seed is None else Seeds(spec.seed)
     need = _needs_processes(spec)
     if need is not None:
         print(
@@ -481,8 +494,8 @@ def _main(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | None:
             "(--processes starts there directly; --in-process keeps every rank in this process)",
             file=sys.stderr,
         )
-        return _in_processes(spec, rdzv, run_dir, fork=_processes.fork_safe())
-    outcome = _in_this_process(spec, rdzv, run_dir)
+        return _in_processes(spec, rdzv, run_dir, seeds, fork=_processes.fork_safe())
+    outcome = _in_this_process(spec, rdzv, run_dir, seeds)
     if outcome is None or isinstance(outcome, int):
         return outcome
     where = _call_site(outcome, spec.script)
@@ -500,7 +513,7 @@ def _main(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | None:
         file=sys.stderr,
     )
     # fresh interpreters: the attempt left threads (torch's, gloo's) that a fork would copy mid-work
-    return _in_processes(spec, rdzv, run_dir, fork=False)
+    return _in_processes(spec, rdzv, run_dir, seeds, fork=False)
 
 
 def _needs_processes(spec: RunSpec) -> str | None:
@@ -520,16 +533,18 @@ def _needs_processes(spec: RunSpec) -> str | None:
     return None if need is None else f"it {need}"
 
 
-def _in_processes(spec: RunSpec, rdzv: _Rendezvous, run_dir: str, *, fork: bool) -> int:
+def _in_processes(spec: RunSpec, rdzv: _Rendezvous, run_dir: str, seeds: Seeds, *, fork: bool) -> int:
     def env_of(rank: int, restart: int, attempt_dir: str) -> dict[str, str]:
         env = worker_env(rank, spec, rdzv, restart)
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
         return env
 
-    return _processes.run(spec, run_dir, env_of, fork=fork)
+    return _processes.run(spec, run_dir, env_of, seeds, fork=fork)
 
 
-def _in_this_process(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | _procstate.NeedsProcess | None:
+def _in_this_process(
+    spec: RunSpec, rdzv: _Rendezvous, run_dir: str, seeds: Seeds
+) -> int | _procstate.NeedsProcess | None:
     """Every attempt with every rank in this process: the exit code, the refusal a rank met (the run
     stopped), or None if a signal interrupted it (reported)."""
     script_code = None
@@ -545,12 +560,12 @@ def _in_this_process(spec: RunSpec, rdzv: _Rendezvous, run_dir: str) -> int | _p
     script = _Script([spec.script, *spec.script_args], script_dir, mains)
     with (
         _patches.lease(SCRIPT, script),
-        _mpspawn.spawned_ranks(spec.timeout, _NO_DEADLINE) as spawned,
+        _mpspawn.spawned_ranks(spec.timeout, _NO_DEADLINE, seeds.then("mp.spawn")) as spawned,
     ):
         for restart in range(spec.max_restarts + 1):
             with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
                 rank_main = _rank_main(spec, script_code, restart, attempt_dir, rdzv, mains)
-                code = _run_once(spec, rank_main, spawned)
+                code = _run_once(spec, rank_main, spawned, seeds.then(f"attempt {restart}"))
             if code is None or isinstance(code, _procstate.NeedsProcess) or code == 0 or restart == spec.max_restarts:
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
@@ -590,12 +605,12 @@ def _call_site(e: BaseException, script: str) -> str:
 
 
 def _run_once(
-    spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn.Starter
+    spec: RunSpec, rank_main: Callable[[int], None], spawned: _mpspawn.Starter, seeds: Seeds
 ) -> int | _procstate.NeedsProcess | None:
     """One run of the world: its exit code, the refusal a rank met, or None if a signal interrupted it."""
     size = spec.size
     world = _procworld.InProcessWorld(
-        size, spec.timeout, _NO_DEADLINE, spec.name, options=spec.world_options, grace=_WIND_DOWN
+        size, spec.timeout, _NO_DEADLINE, spec.name, options=spec.world_options, grace=_WIND_DOWN, seeds=seeds
     )
     started = time.time()
     _torch.prepare_for_rank_threads()
@@ -617,11 +632,11 @@ def _run_once(
         return end.needs_process
     if end.error is None:
         return 0
-    _report(end.error, size, started)
+    _report(end.error, size, started, seeds)
     return 1
 
 
-def _report(error: BaseException, size: int, started: float) -> None:
+def _report(error: BaseException, size: int, started: float, seeds: Seeds) -> None:
     """The first failure, as torchrun's summary puts it (root cause first), with aiocoll's notes."""
     code = error.exit_code if isinstance(error, RankExitedError) else 1
     print("=" * 60, file=sys.stderr)
@@ -637,6 +652,7 @@ def _report(error: BaseException, size: int, started: float) -> None:
         traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
     for note in notes:
         print(note, file=sys.stderr)
+    print(_processes.replay_note(seeds), file=sys.stderr)
     print("=" * 60, file=sys.stderr)
 
 

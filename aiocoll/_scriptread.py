@@ -1,26 +1,26 @@
 """What a script needs that one process cannot give its ranks, read from its syntax tree before it runs.
 
 ``aiocoll run`` runs a script's ranks as threads of one process unless the script does
-something only a process of its own can do (``_procstate``'s refusals: its process id, its
-own exit, signal handlers, a gloo group made by hand, an RPC agent, torch's profiler,
+something only a process of its own can do (``_procstate``'s refusals: its own exit, signals to
+itself, signal handlers, a gloo group made by hand, an RPC agent, torch's profiler,
 DDP's logging data, a library kept once per process). What can be known before it runs
 is read here, so such a script starts in processes at once rather than failing part way.
 The script's own modules are read too: those it imports (directly or through each other)
 that live in its directory. What is only known at run time (a library reached through an
-installed package, ``os.kill`` of a pid computed at run time) is still caught in the ranks,
+installed package, a call made through ``getattr``) is still caught in the ranks,
 and the run starts again in processes (``aiocoll._run``).
 
->>> import textwrap, tempfile, os
->>> d = tempfile.mkdtemp()
->>> path = os.path.join(d, "train.py")
->>> _ = open(path, "w").write(textwrap.dedent('''
+>>> import pathlib, tempfile, textwrap
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "train.py"
+>>> _ = path.write_text(textwrap.dedent('''
 ...     import os
 ...     from signal import signal as on
 ...     print(os.getpid())
+...     on(15, print)
 ... '''))
->>> need = read(path)
->>> need.why, need.where == f"{path}:4"
-('takes its process id (os.getpid())', True)
+>>> need = read(str(path))
+>>> need.why, need.where == f"{path}:5"
+('installs a signal handler (signal.signal)', True)
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ __all__ = ["Need", "read"]
 
 # calls only a process of its own can make, by the full dotted name they are reached by
 _CALLS: dict[str, str] = {
-    "os.getpid": "takes its process id (os.getpid())",
     "os._exit": "ends its process (os._exit)",
     "os.abort": "ends its process (os.abort)",
     "signal.signal": "installs a signal handler (signal.signal)",
@@ -164,23 +163,29 @@ class _Reader(ast.NodeVisitor):
             self.found = Need(why, f"{self.path}:{node.lineno}")
 
     def _call(self, node: ast.Call) -> str | None:
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS:
+            return _METHODS[node.func.attr]
+        dotted = self._dotted(node.func)
+        if dotted == "os.kill":
+            return self._kill_of_self(node)
+        return None if dotted is None else _CALLS.get(dotted)
+
+    def _kill_of_self(self, node: ast.Call) -> str | None:
+        """``os.kill(os.getpid(), ...)`` or ``os.kill(0, ...)``: a signal to its own process (group)."""
+        if not node.args:
+            return None
+        pid = node.args[0]
+        if isinstance(pid, ast.Constant) and pid.value == 0:
+            return "sends a signal to its own process group (os.kill(0, ...))"
+        if isinstance(pid, ast.Call) and self._dotted(pid.func) == "os.getpid":
+            return "sends a signal to its own process (os.kill(os.getpid(), ...))"
+        return None
+
+    def _dotted(self, f: ast.expr) -> str | None:
         parts: list[str] = []
-        f: ast.expr = node.func
         while isinstance(f, ast.Attribute):
             parts.append(f.attr)
             f = f.value
-        if parts and parts[0] in _METHODS:
-            return _METHODS[parts[0]]
         if not isinstance(f, ast.Name) or f.id not in self.aliases:
             return None
-        dotted = ".".join([self.aliases[f.id], *reversed(parts)])
-        if dotted == "os.kill":
-            return _kill_of_self(node)
-        return _CALLS.get(dotted)
-
-
-def _kill_of_self(node: ast.Call) -> str | None:
-    """``os.kill(0, ...)``: a signal to its own process group (of its own pid: ``os.getpid`` says already)."""
-    if node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == 0:
-        return "sends a signal to its own process group (os.kill(0, ...))"
-    return None
+        return ".".join([self.aliases[f.id], *reversed(parts)])

@@ -57,7 +57,7 @@ import aiocoll._harness
 import aiocoll._torch
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll._harness import Settings
-from aiocoll._procstate import OnePerProcess
+from aiocoll._procstate import PID_FLOOR, OnePerProcess
 from aiocoll.testing import ProcessHarnessReplacement, replace_process_harness
 
 # ranks record here what the pytest tests then check (one process: they can)
@@ -172,6 +172,16 @@ class Seeds(_Case):
         dist.barrier()  # the other ranks run meanwhile, and draw
         drawn = (torch.randn(3), random.random(), np.random.rand())
         seen.setdefault("draws", {})[self.rank] = (first, *drawn)
+
+    def test_pid_as_identity(self) -> None:
+        # each process's own file, in processes: each rank's own in one, named by a pid of its own
+        self.init()
+        pid = os.getpid()
+        with open(f"{self.file_name}.{pid}", "w") as f:
+            f.write(str(self.rank))
+        dist.barrier()
+        self.assertEqual(os.getpid(), pid)  # stable for the rank's life
+        seen.setdefault("pids", {})[self.rank] = (pid, logging.LogRecord("x", 0, "", 0, "", (), None).process)
 
     def test_environ_per_rank(self) -> None:
         self.init()
@@ -299,10 +309,6 @@ class NeedsProcesses(_Case):
         self.init()
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
         self.assertEqual(ddp._get_ddp_logging_data()["backend_name"], "gloo")  # gloo's own, in processes
-
-    def test_pid_as_identity(self) -> None:
-        with open(f"{self.file_name}.{os.getpid()}", "w") as f:  # each process's own file, in processes
-            f.write(str(self.rank))
 
     def test_profiler(self) -> None:
         self.init()
@@ -656,6 +662,11 @@ def test_gloo_semantics_in_process(harness: ProcessHarnessReplacement) -> None:
 
 
 def test_seeds_and_generators_per_rank(harness: ProcessHarnessReplacement) -> None:
+    # torch's TestCase.setUp seeds this thread too (as it does the parent process under torch's
+    # harness): what this thread holds after it is what the ranks must leave alone
+    from torch.testing._internal.common_utils import SEED
+
+    torch.manual_seed(SEED)
     state = torch.random.get_rng_state()
     result = run_case(Seeds, "test_seeds_per_rank")
     assert result.wasSuccessful(), problems(result)
@@ -668,6 +679,19 @@ def test_seeds_and_generators_per_rank(harness: ProcessHarnessReplacement) -> No
         assert draws[r][2] == random.Random(r).random()
         assert draws[r][3] == np.random.RandomState(r).rand()
     assert torch.equal(torch.random.get_rng_state(), state)  # this thread's generator is its own
+
+
+def test_each_rank_has_a_pid_of_its_own_that_no_process_has(harness: ProcessHarnessReplacement) -> None:
+    result = run_case(Seeds, "test_pid_as_identity")
+    assert result.wasSuccessful(), problems(result)
+    pids = seen["pids"]
+    assert sorted(pids) == [0, 1, 2, 3]
+    own = [pid for pid, _ in pids.values()]
+    assert len(set(own)) == 4  # distinct between ranks
+    assert all(pid >= PID_FLOOR for pid in own)  # above any real process's: a use on the system fails loudly
+    with pytest.raises(ProcessLookupError):
+        os.kill(own[0], 0)
+    assert {logged for _, logged in pids.values()} == {os.getpid()}  # libraries (logging) get the real one
 
 
 def test_environment_per_rank(harness: ProcessHarnessReplacement, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -818,7 +842,6 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
             "test_sparse_all_reduce",
             "test_backend_by_name",
             "test_profiler",
-            "test_pid_as_identity",
             "test_ddp_logging_data",
         )
     assert result.wasSuccessful(), problems(result)
@@ -832,9 +855,8 @@ def test_what_needs_processes_is_skipped_with_the_reason() -> None:
     assert "reduced a sparse tensor (aiocoll has no sparse collectives)" in reasons["test_sparse_all_reduce"]
     assert "asked for aiocoll's own backend 'aiocoll' by name" in reasons["test_backend_by_name"]
     assert "started torch's profiler (one per process)" in reasons["test_profiler"]
-    assert "took its process id (os.getpid()), which the ranks of one process share" in reasons["test_pid_as_identity"]
     assert "read DDP's logging data, which describes its group's backend" in reasons["test_ddp_logging_data"]
-    assert len(harness.fallbacks) == 11
+    assert len(harness.fallbacks) == 10
     assert not hasattr(os._exit, "__wrapped__")  # restored
     assert not hasattr(signal.signal, "__wrapped__")
 

@@ -241,11 +241,12 @@ def test_a_group_s_own_timeout_breaks_it_and_a_new_default_group_starts_afresh(t
 
 
 NEEDS = """
-import os, sys, torch, torch.distributed as dist
+import os, signal, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 t = torch.ones(1)
 dist.all_reduce(t)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 sys.stdout.write(f"PID {rank} {os.getpid()} {t.item()}\\n")  # (one write: -u's ranks interleave print's parts)
 if sys.argv[1:] == ["os-exit"] and rank == 3:
     os._exit(4)
@@ -263,8 +264,8 @@ def _pids(out: str, size: int) -> dict[int, int]:
 def test_a_script_one_process_cannot_serve_runs_in_processes_and_is_never_refused(tmp_path: Path) -> None:
     name = script(tmp_path, "needs.py", NEEDS)
     said = (
-        f"aiocoll run: {name} runs in processes, one per rank, as under torchrun: it takes its process id "
-        f"(os.getpid()) at {tmp_path / name}:7 (--processes starts there directly; --in-process keeps every rank "
+        f"aiocoll run: {name} runs in processes, one per rank, as under torchrun: it installs a signal handler "
+        f"(signal.signal) at {tmp_path / name}:7 (--processes starts there directly; --in-process keeps every rank "
         "in this process)"
     )
     pid = run(tmp_path, "--nproc-per-node", "4", name)
@@ -283,29 +284,70 @@ def test_a_script_one_process_cannot_serve_runs_in_processes_and_is_never_refuse
     assert insisted.returncode == 1
     assert "PID" not in insisted.stdout
     assert re.search(
-        rf"{name} needs processes of its own \(rank [01] took its process id \(os\.getpid\(\)\), which the ranks of "
-        rf"one process share at {name}:7\); run it without --in-process",
+        rf"{name} needs processes of its own \(rank [01] installed a handler for signal \S+ at {name}:7\); "
+        "run it without --in-process",
         insisted.stderr,
     ), insisted.stderr
 
     # --processes: any script, in processes
-    plain = script(tmp_path, "plain.py", NEEDS.replace("os.getpid()", "0").replace("os._exit(4)", "pass"))
+    plain = script(tmp_path, "plain.py", NEEDS.replace("signal.signal(", "print(").replace("os._exit(4)", "pass"))
     chosen = run(tmp_path, "--nproc-per-node", "2", "--processes", plain)
     assert chosen.returncode == 0, chosen.stderr
     assert "runs in processes, one per rank, as under torchrun: --processes was given" in chosen.stderr
     assert sorted(_pids(chosen.stdout, 2)) == [0, 1]
 
 
+PIDS = """
+import logging, os, sys, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, pid = dist.get_rank(), os.getpid()
+with open(f"out.{pid}", "w") as f:  # a file named after the process, as pytorch/examples' scripts do
+    f.write(str(rank))
+logging.basicConfig(format="LOGGED %(process)d", level=logging.INFO)
+logging.info("")  # (logging, a library, gets the real pid)
+dist.barrier()
+sys.stdout.write(f"PID {rank} {pid} {os.getpid()} {os.getppid()}\\n")
+if sys.argv[1:] == ["kill"]:
+    getattr(os, "kill")(os.getpid(), 0)  # acts on the process (as no syntax tree shows): in processes
+"""
+
+
+def test_each_rank_has_a_pid_of_its_own_and_the_system_never_sees_it(tmp_path: Path) -> None:
+    from aiocoll._procstate import PID_FLOOR
+
+    name = script(tmp_path, "pids.py", PIDS)
+    proc = run(tmp_path, "--nproc-per-node", "3", name)
+    assert proc.returncode == 0, proc.stderr
+    assert "runs in processes" not in proc.stderr  # in this process
+    lines = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("PID ")]
+    pids = {int(rank): int(pid) for rank, pid, again, _ in lines if pid == again}  # stable for the rank's life
+    assert sorted(pids) == [0, 1, 2]
+    assert len(set(pids.values())) == 3
+    assert min(pids.values()) >= PID_FLOOR  # no real process has one: the system refuses it (ESRCH)
+    assert len({parent for *_, parent in lines}) == 1  # one parent, as torchrun's agent is every worker's
+    for rank, pid in pids.items():
+        assert (tmp_path / f"out.{pid}").read_text() == str(rank)
+    logged = {line.split()[1] for line in proc.stderr.splitlines() if line.startswith("LOGGED ")}
+    assert len(logged) == 1
+    assert int(logged.pop()) < PID_FLOOR  # the launcher's real pid
+
+    # a signal to its own pid acts on the process: the run starts again in processes
+    killed = run(tmp_path, "--nproc-per-node", "2", name, "kill")
+    assert killed.returncode == 0, killed.stderr
+    assert "sent signal 0 to its own process" in killed.stderr
+    assert "the run starts again in processes" in killed.stderr
+
+
 def test_a_need_met_at_run_time_stops_the_run_and_starts_it_again_in_processes(tmp_path: Path) -> None:
     # a call no syntax tree shows: found in a rank, the whole run starts again in processes
-    body = NEEDS.replace("os.getpid()", "getattr(os, 'getpid')()").replace("os._exit(4)", "pass")
+    body = NEEDS.replace("signal.signal(", "getattr(signal, 'signal')(").replace("os._exit(4)", "pass")
     name = script(tmp_path, "late.py", body)
     proc = run(tmp_path, "--nproc-per-node", "2", name)
     assert proc.returncode == 0, proc.stderr
     assert re.search(
-        rf"aiocoll run: {name} needs processes of its own \(rank [01] took its process id \(os\.getpid\(\)\), which "
-        rf"the ranks of one process share at {name}:7\): every rank was stopped, and what the attempt did until "
-        r"then \(its output, files, checkpoints\) stays done; the run starts again in processes",
+        rf"aiocoll run: {name} needs processes of its own \(rank [01] installed a handler for signal \S+ at "
+        rf"{name}:7\): every rank was stopped, and what the attempt did until then \(its output, files, "
+        r"checkpoints\) stays done; the run starts again in processes",
         proc.stderr,
     ), proc.stderr
     assert sorted(_pids(proc.stdout, 2)) == [0, 1]  # the in-process attempt printed none: stopped at the call
@@ -883,3 +925,71 @@ def test_a_checkpoint_saves_on_a_pool_thread_while_the_rank_goes_on(tmp_path: Pa
         "RESULT 0 True 2.0",
         "RESULT 1 True 2.0",
     ]
+
+
+DRAWS = """
+import random, sys
+import numpy as np
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def draw(rank, where):
+    drawn = (torch.rand(1).item(), random.random(), float(np.random.rand()), torch.initial_seed())
+    sys.stdout.write(f"DRAW {where} {rank} {drawn}\\n")
+
+
+def spawned(rank, n):
+    draw(rank, "spawned")
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    draw(dist.get_rank(), "rank")
+    # (every rank has drawn before rank 0 starts more: two worlds taking turns at once would
+    # each swap torch's one generator in and out, which is not the rank's own then)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        mp.spawn(spawned, args=(2,), nprocs=2)
+    if sys.argv[1:] == ["fail"] and dist.get_rank() == 1:
+        raise ValueError("unlucky draw")
+"""
+
+
+def _draws(out: str) -> dict[tuple[str, int], str]:
+    """``DRAW where rank numbers`` lines: what each rank (and each rank rank 0 spawned) drew."""
+    draws = {}
+    for line in out.splitlines():
+        if line.startswith("DRAW "):
+            _, where, rank, numbers = line.split(" ", 3)
+            draws[(where, int(rank))] = numbers
+    return draws
+
+
+def test_each_rank_draws_as_a_fresh_process_and_a_seed_replays_the_draws(tmp_path: Path) -> None:
+    name = script(tmp_path, "draws.py", DRAWS)
+    first, second = run(tmp_path, "--nproc-per-node", "3", name), run(tmp_path, "--nproc-per-node", "3", name)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    a, b = _draws(first.stdout), _draws(second.stdout)
+    keys = [("rank", 0), ("rank", 1), ("rank", 2), ("spawned", 0), ("spawned", 1)]
+    assert sorted(a) == sorted(b) == sorted(keys)
+    # torch's, random's and NumPy's unseeded numbers: each rank its own, each run anew
+    for k in range(3):
+        assert len({eval(v)[k] for v in a.values()}) == 5, a
+    assert not set(a.values()) & set(b.values())
+
+    # a failed run says where its ranks' seeds came from; --seed draws the same again, in processes too
+    failed = run(tmp_path, "--nproc-per-node", "3", name, "fail")
+    assert failed.returncode == 1
+    found = re.search(
+        r"aiocoll: the ranks' generators were seeded from (\d+) \(--seed \1 draws the same again\)", failed.stderr
+    )
+    assert found, failed.stderr
+    seed = found.group(1)
+    again = run(tmp_path, "--nproc-per-node", "3", "--seed", seed, name, "fail")
+    processes = run(tmp_path, "--nproc-per-node", "3", "--seed", seed, "--processes", name)
+    assert again.returncode == 1
+    assert processes.returncode == 0, processes.stderr
+    ranks = {k: v for k, v in _draws(failed.stdout).items() if k[0] == "rank"}
+    assert ranks == {k: v for k, v in _draws(again.stdout).items() if k[0] == "rank"}
+    assert ranks == {k: v for k, v in _draws(processes.stdout).items() if k[0] == "rank"}

@@ -18,8 +18,8 @@ def write(path: Path, body: str) -> str:
 @pytest.mark.parametrize(
     ("body", "why", "line"),
     [
-        ("import os\nprint(os.getpid())\n", "takes its process id (os.getpid())", 2),
-        ("from os import getpid as gp\nx = 1\ngp()\n", "takes its process id (os.getpid())", 3),
+        ("from os import _exit as ex\nx = 1\nex(0)\n", "ends its process (os._exit)", 3),
+        ("import os\nos.kill(os.getpid(), 9)\n", "sends a signal to its own process (os.kill(os.getpid()", 2),
         ("import os as o\no._exit(3)\n", "ends its process (os._exit)", 2),
         ("import os\nos.kill(0, 15)\n", "sends a signal to its own process group (os.kill(0, ...))", 2),
         ("import signal\ndef f():\n    signal.signal(signal.SIGTERM, print)\n", "installs a signal handler", 3),
@@ -31,7 +31,7 @@ def write(path: Path, body: str) -> str:
         ("import accelerate\n", "imports accelerate", 1),
         ("from pytorch_lightning import Trainer\n", "imports PyTorch Lightning", 1),
         # the first in the file, however deep
-        ("import os\nif True:\n    print(os.getpid())\nos._exit(0)\n", "takes its process id", 3),
+        ("import os\nif True:\n    print(os.abort())\nos._exit(0)\n", "ends its process (os.abort)", 3),
     ],
 )
 def test_what_only_a_process_can_do_is_read_with_its_line(tmp_path: Path, body: str, why: str, line: int) -> None:
@@ -47,6 +47,7 @@ def test_what_only_a_process_can_do_is_read_with_its_line(tmp_path: Path, body: 
     "body",
     [
         "import os\nos.kill(child_pid, 15)\n",  # another process: in-process ranks may do it
+        "import os\nprint(os.getpid())\n",  # each rank has a pid of its own in one process
         "import os\nprint(os.getcwd(), os.environ['RANK'])\n",
         "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
         "getpid()\n",  # a name no import bound: not os's
@@ -61,10 +62,10 @@ def test_what_a_rank_in_a_thread_can_do_needs_nothing(tmp_path: Path, body: str)
 def test_the_script_s_own_modules_are_read_and_installed_ones_are_not(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     write(tmp_path / "pkg" / "__init__.py", "")
-    helper = write(tmp_path / "pkg" / "helper.py", "import os\ndef name():\n    return f'out-{os.getpid()}'\n")
+    helper = write(tmp_path / "pkg" / "helper.py", "import signal\ndef quiet():\n    signal.alarm(0)\n")
     write(tmp_path / "util.py", "from pkg import helper\n")
-    script = write(tmp_path / "train.py", "import json, torch\nimport util\nprint(util.helper.name())\n")
-    assert read(script) == Need("takes its process id (os.getpid())", f"{helper}:3")
+    script = write(tmp_path / "train.py", "import json, torch\nimport util\nutil.helper.quiet()\n")
+    assert read(script) == Need("sets an alarm (signal.alarm)", f"{helper}:3")
     # a module of the directory the script does not import is not its concern
     (tmp_path / "util.py").write_text("x = 1\n", encoding="utf-8")
     assert read(script) is None

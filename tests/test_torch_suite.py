@@ -61,8 +61,8 @@ def test_torchs_own_suite_meets_in_its_barrier_and_sends_what_needs_processes_th
     result, stderr = _run(tmp_path, tests)
     assert result["failed"] == [], stderr[-5000:]
     skipped = result["skipped"]  # (fallback="skip": these would run in processes)
-    assert sorted(skipped) == ["test_all_reduce_sum", "test_get_rank"]
-    assert "took its process id (os.getpid()), which the ranks of one process share" in skipped["test_get_rank"]
+    # test_get_rank names a file after each rank's os.getpid(): a pid of its own in-process
+    assert sorted(skipped) == ["test_all_reduce_sum"]
     assert "started torch's profiler (one per process)" in skipped["test_all_reduce_sum"]
 
 

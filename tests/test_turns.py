@@ -95,6 +95,34 @@ def test_ranks_start_from_the_callers_states_and_leave_them_alone() -> None:
     assert random.random() == random.Random(5).random()
 
 
+def test_a_world_of_seeded_ranks_draws_as_each_rank_s_seed_says() -> None:
+    """Worlds that stand for fresh processes give each rank a seed (``WorldConfig.rank_seeds``)."""
+    from aiocoll._config import WorldConfig
+    from aiocoll._driver import WorldRun
+    from aiocoll._locals import Seeds, numpy_seed
+
+    seeds = Seeds(42, "a world").of(3)
+    assert len(set(seeds)) == 3
+    torch.manual_seed(7)
+    caller = torch.random.get_rng_state()
+
+    def fn(comm: Comm) -> tuple[list[float], float, float, int]:
+        a = torch.randn(2).tolist()
+        dist.barrier()  # the other ranks draw meanwhile
+        return a + torch.rand(1).tolist(), random.random(), float(np.random.rand()), torch.initial_seed()
+
+    import asyncio
+
+    out = asyncio.run(WorldRun(fn, WorldConfig(3, rank_seeds=seeds)).run())
+    for seed, (t, py, npy, initial) in zip(seeds, out, strict=True):
+        g = torch.Generator().manual_seed(seed)
+        assert t == torch.randn(2, generator=g).tolist() + torch.rand(1, generator=g).tolist()
+        assert py == random.Random(seed).random()
+        assert npy == float(np.random.RandomState(numpy_seed(seed)).rand())
+        assert initial == seed
+    assert torch.equal(torch.random.get_rng_state(), caller)  # the caller's are its own again
+
+
 def _tensors_made_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads that turn saved torch generator states into tensors, one per state."""
     from aiocoll._locals import _TorchStates
