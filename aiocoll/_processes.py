@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -66,6 +67,7 @@ class RankProcess:
     popen: subprocess.Popen[bytes] | None = None
     code: int | None = None
     ended_at: float = 0.0
+    streams: tuple[IO[bytes], IO[bytes]] | None = None  # its stdout and stderr, read here (routed output)
     readers: list[threading.Thread] = field(default_factory=list)
 
     def poll(self) -> int | None:
@@ -124,7 +126,9 @@ def run(
             finally:
                 for p in ranks:
                     for t in p.readers:
-                        t.join()
+                        # (a process the rank left running may hold its output open: its
+                        # lines after that are not waited for)
+                        t.join(STOP_GRACE)
         if failed is None:
             return 0
         if restart == spec.max_restarts:
@@ -145,6 +149,11 @@ def _start(
     except BaseException:
         _stop(ranks)
         raise
+    # the threads that copy their output start once every rank is forked: a fork while one
+    # of them holds a stream's lock would leave that lock held for ever in the child
+    for p in ranks:
+        if p.streams is not None:
+            p.readers = _readers(p.rank, *p.streams)
     return ranks
 
 
@@ -180,7 +189,7 @@ def _interpreter(rank_spec: _RankSpec, rank: int, routed: bool) -> RankProcess:
     if routed:
         assert popen.stdout is not None
         assert popen.stderr is not None
-        p.readers = _readers(rank, popen.stdout, popen.stderr)
+        p.streams = (popen.stdout, popen.stderr)
     return p
 
 
@@ -210,7 +219,7 @@ def _fork(rank_spec: _RankSpec, rank: int, routed: bool) -> RankProcess:
     if routed:
         for _, w in pipes:
             os.close(w)
-        p.readers = _readers(rank, os.fdopen(pipes[0][0], "rb"), os.fdopen(pipes[1][0], "rb"))
+        p.streams = (os.fdopen(pipes[0][0], "rb"), os.fdopen(pipes[1][0], "rb"))
     return p
 
 
@@ -295,6 +304,13 @@ def _finish(status: int) -> int:
     import atexit
 
     atexit._run_exitfuncs()
+    # the interpreter's finalization would then free the script's globals, flushing the files
+    # they hold open (os._exit ends the process without it)
+    main = sys.modules.get("__main__")
+    if main is not None:
+        with contextlib.suppress(Exception):
+            main.__dict__.clear()
+            gc.collect()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -368,7 +384,10 @@ def _report(
 ) -> None:
     """The first failure, as torchrun's summary puts it: its rank, exit code and pid, and its error file's message."""
     code = failed.code if failed.code is not None else 1
-    how = f"exitcode {code}" if code >= 0 else f"exitcode {code} (signal {signal.Signals(-code).name})"
+    try:
+        how = f"exitcode {code}" if code >= 0 else f"exitcode {code} (signal {signal.Signals(-code).name})"
+    except ValueError:  # (a signal number Python has no name for)
+        how = f"exitcode {code}"
     print("=" * 60, file=sys.stderr)
     print(
         f"aiocoll run: FAILED ({spec.size} processes, one per rank, after {time.time() - started:.1f} s)",

@@ -250,6 +250,8 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 sys.stdout.write(f"PID {rank} {os.getpid()} {t.item()}\\n")  # (one write: -u's ranks interleave print's parts)
 if sys.argv[1:] == ["os-exit"] and rank == 3:
     os._exit(4)
+kept = open(f"kept.{rank}", "w")  # (left open: the process's end flushes it)
+kept.write("kept")
 dist.barrier()
 """
 
@@ -274,6 +276,7 @@ def test_a_script_one_process_cannot_serve_runs_in_processes_and_is_never_refuse
     pids = _pids(pid.stdout, 4)
     assert sorted(pids) == [0, 1, 2, 3]
     assert len(set(pids.values())) == 4  # a process each
+    assert [(tmp_path / f"kept.{r}").read_text() for r in range(4)] == ["kept"] * 4
 
     exited = run(tmp_path, "--nproc-per-node", "4", name, "os-exit")
     assert exited.returncode == 1  # torchrun's, for a failed worker
