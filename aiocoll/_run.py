@@ -77,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Run a torchrun script with every rank in this process, as aiocoll sync ranks: "
             "mismatched collectives, deadlocks and ranks that leave are reported at once. "
+            "A script one process cannot serve runs in processes, one per rank, as under torchrun. "
             "torchrun's options are accepted under torchrun's spellings; those one process cannot honour "
             "(--nnodes above 1, --node-rank, --no-python, --virtual-local-rank, --logs-specs) "
             "are refused with the reason, and those about processes and "
@@ -106,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
         "--processes",
         action="store_true",
         help="run each rank in a process of its own, as torchrun does (the default for a script one process "
-        "cannot serve: its process id, signal handlers, os._exit, accelerate, Lightning, ...)",
+        "cannot serve: os._exit, signal handlers, RPC, the profiler, accelerate, Lightning, ...)",
     )
     where.add_argument(
         "--in-process",
