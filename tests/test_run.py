@@ -1001,3 +1001,36 @@ def test_each_rank_draws_as_a_fresh_process_and_a_seed_replays_the_draws(tmp_pat
     ranks = {k: v for k, v in _draws(failed.stdout).items() if k[0] == "rank"}
     assert ranks == {k: v for k, v in _draws(again.stdout).items() if k[0] == "rank"}
     assert ranks == {k: v for k, v in _draws(processes.stdout).items() if k[0] == "rank"}
+
+
+def test_the_flight_recorder_s_dumps_carry_each_rank_s_seed_and_torch_s_analyzer_reads_them(tmp_path: Path) -> None:
+    import pickle
+
+    name = script(
+        tmp_path,
+        "dumped.py",
+        """
+        import aiocoll, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.all_reduce(torch.ones(1))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            aiocoll.dump_flight_recorder("dumps/")
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "3", "--seed", "11", name)
+    assert proc.returncode == 0, proc.stderr
+    dumps = sorted((tmp_path / "dumps").iterdir())
+    assert len(dumps) == 3
+    seeds = [pickle.loads(p.read_bytes())["aiocoll_rank_seed"] for p in dumps]
+    from aiocoll._locals import Seeds
+
+    assert seeds == list(Seeds(11).then("attempt 0").of(3))
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path / "dumps")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert analyzed.returncode == 0, analyzed.stderr
