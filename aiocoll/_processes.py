@@ -9,7 +9,9 @@ Ranks are forked from this process, which has imported torch already, rather tha
 started as fresh interpreters behind an agent: that saves each rank the interpreter's
 start and torch's import (about 1 s each here). Fork only while this process has no
 thread of its own (``fork_safe``): otherwise (after an in-process attempt, say) the ranks
-start as fresh interpreters, exactly torchrun's ``python -u script``.
+start as fresh interpreters (``python -u``, as torchrun starts them), which run the same
+``_rank_process``. Either way a rank's generators start from the seed it would have had
+in one process (``_locals.Seeds``), and its output is routed as in one process.
 
 As torchrun's agent: the first rank to fail stops the others (SIGTERM, then SIGKILL),
 the run restarts up to ``--max-restarts`` times, and the exit code is 1 with a summary
@@ -42,7 +44,7 @@ from ._locals import Seeds, numpy_seed
 if TYPE_CHECKING:
     from ._run import RunSpec
 
-__all__ = ["RankProcess", "fork_safe", "run"]
+__all__ = ["RankProcess", "fork_safe", "interpreter_main", "replay_note", "run"]
 
 # seconds stopped ranks get to end after SIGTERM before SIGKILL (torchrun waits up to 30)
 STOP_GRACE = 5.0
