@@ -130,6 +130,7 @@ class _Rendezvous(NamedTuple):
     run_id: str
     master_addr: str
     master_port: int
+    port_given: bool = True  # --master-port was given (else torchrun's default, or a free port)
 
 
 @dataclass(frozen=True)
@@ -216,17 +217,20 @@ def _fixed_rendezvous(args: argparse.Namespace) -> _Rendezvous | None:
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
         return None
     port = args.master_port if args.master_port is not None else 29500
-    return _Rendezvous(args.rdzv_id, args.master_addr, port)
+    return _Rendezvous(args.rdzv_id, args.master_addr, port, port_given=args.master_port is not None)
 
 
 def _rendezvous(spec: RunSpec) -> _Rendezvous:
     """The run's rendezvous: the one given, or a new run id and a free port."""
     if spec.rendezvous is not None:
         return spec.rendezvous
-    with socket.socket() as s:  # (a port the script may read; no rendezvous happens on it)
+    return _Rendezvous(str(uuid.uuid4()), "localhost", _free_port(), port_given=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # (a port the script may read; in this process no rendezvous happens on it)
         s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    return _Rendezvous(str(uuid.uuid4()), "localhost", port)
+        return int(s.getsockname()[1])
 
 
 def worker_env(rank: int, spec: RunSpec, rdzv: _Rendezvous, restart: int = 0) -> dict[str, str]:
@@ -535,6 +539,11 @@ def _needs_processes(spec: RunSpec) -> str | None:
 
 
 def _in_processes(spec: RunSpec, rdzv: _Rendezvous, run_dir: str, seeds: Seeds, *, fork: bool) -> int:
+    if not rdzv.port_given:
+        # rank 0 serves the store on it for real here: a free one rather than torchrun's
+        # default 29500 (older torchruns' without --standalone), which runs side by side share
+        rdzv = rdzv._replace(master_port=_free_port())
+
     def env_of(rank: int, restart: int, attempt_dir: str) -> dict[str, str]:
         env = worker_env(rank, spec, rdzv, restart)
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
