@@ -85,6 +85,10 @@ class Seeds:
         digest = hashlib.blake2b(f"{self.base}/{self.salt}/{rank}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> 1
 
+    def attempt(self, restart: int) -> Seeds:
+        """The seeds of a run's attempt ``restart`` (0: the first), in one process and in processes alike."""
+        return self.then(f"attempt {restart}")
+
     def then(self, salt: str) -> Seeds:
         """The seeds of another world of the same run (an mp.spawn inside it, the next attempt)."""
         return Seeds(self.base, f"{self.salt}/{salt}", self.given)

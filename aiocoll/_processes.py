@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
-from . import _rankmain, _runlogs
+from . import _procworld, _rankmain, _runlogs
 from ._locals import Seeds, numpy_seed
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class RankProcess:
     popen: subprocess.Popen[bytes] | None = None
     code: int | None = None
     ended_at: float = 0.0
+    error_file: str | None = None  # where ``@record`` writes its failure (TORCHELASTIC_ERROR_FILE)
     streams: tuple[IO[bytes], IO[bytes]] | None = None  # its stdout and stderr, read here (routed output)
     readers: list[threading.Thread] = field(default_factory=list)
 
@@ -119,7 +120,7 @@ def run(
         with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
             routed = spec.logs.routes_output()
             envs = [env_of(r, restart, attempt_dir) for r in range(spec.size)]
-            ranks = _start(spec, envs, seeds.then(f"attempt {restart}").of(spec.size), fork, routed)
+            ranks = _start(spec, envs, seeds.attempt(restart).of(spec.size), fork, routed)
             try:
                 failed = _watch(ranks)
             except BaseException:  # a signal: each rank says where it was, then all stop
@@ -134,7 +135,7 @@ def run(
         if failed is None:
             return 0
         if restart == spec.max_restarts:
-            _report(spec, failed, ranks, attempt_dir, started, seeds)
+            _report(spec, failed, ranks, started, seeds)
             return 1
         print(f"aiocoll run: restarting the ranks' processes ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
     return 1  # (not reached)
@@ -148,6 +149,7 @@ def _start(
         for rank, (env, seed) in enumerate(zip(envs, seeds, strict=True)):
             start = _fork if fork else _interpreter
             ranks.append(start(_RankSpec.of(spec, env, seed), rank, routed))
+            ranks[-1].error_file = env.get("TORCHELASTIC_ERROR_FILE")
     except BaseException:
         _stop(ranks)
         raise
@@ -243,14 +245,10 @@ def _rank_process(rank: _RankSpec) -> int:
     os.environ.update(rank.env)
     sys.argv[:] = [rank.script, *rank.args]
     module = types.ModuleType("__main__")
+    # as python puts it first: the current directory for -m, else the script's
+    sys.path[0] = os.getcwd() if rank.module else os.path.dirname(os.path.abspath(rank.script))
     try:
-        if rank.module:
-            sys.path[0] = os.getcwd()
-            code, names = _rankmain.module_main(rank.script)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(rank.script))
-            with open(rank.script, "rb") as f:
-                code, names = compile(f.read(), rank.script, "exec"), {"__file__": rank.script, "__cached__": None}
+        code, names = _rankmain.script_main(rank.script, rank.module)
         module.__dict__.update(names, __builtins__=__builtins__)
         sys.modules["__main__"] = module
         exec(code, module.__dict__)
@@ -261,7 +259,8 @@ def _rank_process(rank: _RankSpec) -> int:
         traceback.print_exc()
         status = 128 + signal.SIGINT
     except BaseException as e:
-        e = e.with_traceback(_without_launcher(e.__traceback__))  # (torch's excepthook reads the exception's)
+        # from the script's frame in (torch's excepthook reads the exception's own traceback)
+        e = e.with_traceback(_procworld.from_rank_code(e.__traceback__))
         sys.excepthook(type(e), e, e.__traceback__)
         status = 1
     return _finish(status)
@@ -288,13 +287,6 @@ def _exit_status(e: SystemExit) -> int:
         return e.code & 0xFF
     print(e.code, file=sys.stderr)
     return 1
-
-
-def _without_launcher(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` from the script's frame in, as a fresh process's traceback starts."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return tb
 
 
 def _finish(status: int) -> int:
@@ -381,9 +373,7 @@ def _stop(ranks: list[RankProcess], say_where: bool = False) -> None:
                 p.code = os.waitstatus_to_exitcode(os.waitpid(p.pid, 0)[1])
 
 
-def _report(
-    spec: RunSpec, failed: RankProcess, ranks: list[RankProcess], attempt_dir: str, started: float, seeds: Seeds
-) -> None:
+def _report(spec: RunSpec, failed: RankProcess, ranks: list[RankProcess], started: float, seeds: Seeds) -> None:
     """The first failure, as torchrun's summary puts it: its rank, exit code and pid, and its error file's message."""
     code = failed.code if failed.code is not None else 1
     try:
@@ -396,7 +386,7 @@ def _report(
         file=sys.stderr,
     )
     print(f"Root Cause (first observed failure): rank {failed.rank}, {how} (pid: {failed.pid})", file=sys.stderr)
-    message = _error_file_message(os.path.join(attempt_dir, str(failed.rank), "error.json"))
+    message = "" if failed.error_file is None else _error_file_message(failed.error_file)
     if message:
         print(message, file=sys.stderr)
     others = [p for p in ranks if p is not failed and p.code not in (0, None)]

@@ -73,6 +73,19 @@ def carried() -> Callable[[], AbstractContextManager[None]]:
     return contextlib.nullcontext if module is None else lambda: _MAIN.bound(module)
 
 
+def script_main(
+    script: str, module: bool, code: types.CodeType | None = None
+) -> tuple[types.CodeType, dict[str, object]]:
+    """The code ``python script`` (``python -m script``, with ``module``) runs as ``__main__``, and the
+    globals it gets first; ``code``: the script's, compiled already."""
+    if module:
+        return module_main(script)
+    if code is None:
+        with open(script, "rb") as f:
+            code = compile(f.read(), script, "exec")
+    return code, {"__file__": script, "__cached__": None}
+
+
 def module_main(name: str) -> tuple[types.CodeType, dict[str, object]]:
     """The code ``python -m name`` runs and the globals it gets (``runpy``'s rules: a package runs its ``__main__``)."""
     spec = importlib.util.find_spec(name)

@@ -261,6 +261,12 @@ def worker_env(rank: int, spec: RunSpec, rdzv: _Rendezvous, restart: int = 0) ->
     return env
 
 
+def _rank_env(rank: int, spec: RunSpec, rdzv: _Rendezvous, restart: int, attempt_dir: str) -> dict[str, str]:
+    """``worker_env``, and where torch.distributed.elastic's ``@record`` writes the rank's failure (as torchrun)."""
+    error_file = os.path.join(attempt_dir, str(rank), "error.json")
+    return {**worker_env(rank, spec, rdzv, restart), "TORCHELASTIC_ERROR_FILE": error_file}
+
+
 class _Refused(Exception):
     """An option this run cannot honour in one process."""
 
@@ -417,19 +423,12 @@ def _rank_main(
 
     def rank_main(rank: int) -> None:
         _runlogs.OUTPUT_RANK.set(rank)  # (what this thread prints goes where the rank's stream does)
-        env = worker_env(rank, spec, rdzv, restart)
-        # where torch.distributed.elastic's @record writes the rank's failure, as under torchrun
-        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
-        os.environ.update(env)  # this rank's view (see _procstate)
+        os.environ.update(_rank_env(rank, spec, rdzv, restart, attempt_dir))  # this rank's view (see _procstate)
         # a module of its own, as `python script.py` gives each process, which is this rank's
         # sys.modules["__main__"] (where pickle finds the classes the script defines)
         module = types.ModuleType("__main__")
-        names: dict[str, object]  # the module's globals before its code runs
         try:
-            if code is not None:
-                run, names = code, {"__file__": script, "__cached__": None}
-            else:
-                run, names = _rankmain.module_main(script)
+            run, names = _rankmain.script_main(script, spec.module, code)
             module.__dict__.update(names, __builtins__=builtins)
             with _rankmain.bound(mains, module):
                 exec(run, module.__dict__)
@@ -545,9 +544,7 @@ def _in_processes(spec: RunSpec, rdzv: _Rendezvous, run_dir: str, seeds: Seeds, 
         rdzv = rdzv._replace(master_port=_free_port())
 
     def env_of(rank: int, restart: int, attempt_dir: str) -> dict[str, str]:
-        env = worker_env(rank, spec, rdzv, restart)
-        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(attempt_dir, str(rank), "error.json")
-        return env
+        return _rank_env(rank, spec, rdzv, restart, attempt_dir)
 
     return _processes.run(spec, run_dir, env_of, seeds, fork=fork)
 
@@ -575,7 +572,7 @@ def _in_this_process(
         for restart in range(spec.max_restarts + 1):
             with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
                 rank_main = _rank_main(spec, script_code, restart, attempt_dir, rdzv, mains)
-                code = _run_once(spec, rank_main, spawned, seeds.then(f"attempt {restart}"))
+                code = _run_once(spec, rank_main, spawned, seeds.attempt(restart))
             if code is None or isinstance(code, _procstate.NeedsProcess) or code == 0 or restart == spec.max_restarts:
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {spec.max_restarts})", file=sys.stderr)

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ def test_the_first_lease_installs_and_the_last_undoes() -> None:
     assert all(i.name != s.name for i in _patches.installed())
 
 
-def test_changes_are_undone_in_reverse_order_and_a_missing_attribute_goes_again() -> None:
-    box, order = _box(), []
+def _stepper(order: list[str]) -> Callable[[str], Step]:
+    """Makes steps that write their doing and undoing into ``order``."""
 
     def step(name: str) -> Step:
         def do() -> Any:
@@ -45,6 +46,13 @@ def test_changes_are_undone_in_reverse_order_and_a_missing_attribute_goes_again(
             return lambda: order.append(f"undo {name}")
 
         return Step(name, do)
+
+    return step
+
+
+def test_changes_are_undone_in_reverse_order_and_a_missing_attribute_goes_again() -> None:
+    box, order = _box(), []
+    step = _stepper(order)
 
     s = PatchSet("t: order", "a test's", lambda key: [step("x"), Attr(box, "new", 3), step("y")], ["*"])
     with _patches.lease(s):
@@ -82,13 +90,7 @@ def test_a_replacement_someone_patched_over_is_left_in_place_and_said_once(caplo
 
 def test_a_set_leases_what_it_needs_first_and_releases_it_after() -> None:
     box, order = _box(), []
-
-    def step(name: str) -> Step:
-        def do() -> Any:
-            order.append(f"do {name}")
-            return lambda: order.append(f"undo {name}")
-
-        return Step(name, do)
+    step = _stepper(order)
 
     base = PatchSet("t: base", "a test's", lambda key: [step("base")], ["*"])
     top = PatchSet("t: top", "a test's", lambda key: [step("top"), Attr(box, "a", 2)], ["*"], needs=(base,))

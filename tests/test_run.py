@@ -1025,7 +1025,7 @@ def test_the_flight_recorder_s_dumps_carry_each_rank_s_seed_and_torch_s_analyzer
     seeds = [pickle.loads(p.read_bytes())["aiocoll_rank_seed"] for p in dumps]
     from aiocoll._locals import Seeds
 
-    assert seeds == list(Seeds(11).then("attempt 0").of(3))
+    assert seeds == list(Seeds(11).attempt(0).of(3))
     analyzed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path / "dumps")],
         capture_output=True,
