@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
         parents=[get_args_parser()],
         conflict_handler="resolve",  # (both have -h)
     )
+    # --master-port reads None unless given, torchrun's own default (29500 in 2.10's, None
+    # later) kept aside: a run tells a port the user chose from torchrun's (_fixed_rendezvous)
+    p.set_defaults(master_port=None, torchrun_master_port=p.get_default("master_port"))
     own = p.add_argument_group("aiocoll's own options")
     own.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds a rank may wait in one collective")
     own.add_argument("--schedule-seed", type=int, default=None, help="run the ranks in a seeded random turn order")
@@ -214,10 +217,13 @@ class RunSpec:
 
 def _fixed_rendezvous(args: argparse.Namespace) -> _Rendezvous | None:
     """torchrun's choice: the one given; None for a standalone run (or one with no port given)."""
-    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
+    given = args.master_port
+    default = getattr(args, "torchrun_master_port", None)
+    static = args.rdzv_backend == "static" and not args.rdzv_endpoint
+    if args.standalone or (static and given is None and default is None):
         return None
-    port = args.master_port if args.master_port is not None else 29500
-    return _Rendezvous(args.rdzv_id, args.master_addr, port, port_given=args.master_port is not None)
+    port = given if given is not None else default if default is not None else 29500
+    return _Rendezvous(args.rdzv_id, args.master_addr, port, port_given=given is not None)
 
 
 def _rendezvous(spec: RunSpec) -> _Rendezvous:

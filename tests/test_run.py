@@ -528,6 +528,14 @@ def test_the_run_spec_is_the_command_line_checked_and_typed() -> None:
         spec.size = 4  # type: ignore[misc]  # frozen: checked once, never changed after
     standalone = RunSpec.of(parser().parse_args(["--standalone", "x.py"]))
     assert standalone.rendezvous is None  # a new run id and a free port, as the run starts
+    # a port the user chose, told from torchrun's default (29500 in 2.10's, which the processes
+    # mode does not listen on: runs side by side would share it)
+    assert spec.rendezvous.port_given
+    plain = RunSpec.of(parser().parse_args(["x.py"])).rendezvous
+    assert plain is None or not plain.port_given
+    chosen = RunSpec.of(parser().parse_args(["--master-port", "29500", "x.py"])).rendezvous
+    assert chosen is not None
+    assert chosen.port_given
     assert (standalone.size, standalone.script_args, standalone.module) == (1, (), False)
 
 
