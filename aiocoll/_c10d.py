@@ -31,6 +31,7 @@ import torch.distributed.constants as dist_constants
 
 from . import _current, _monitored, _patches, _procstate, _torch
 from ._belongings import Belongings, Kind
+from ._comm import Comm
 from ._engine import RankState, World, current_rank_state
 from ._engine_comm import EngineComm
 from ._errors import AiocollError, BlockingCallError, InvalidArgumentError
@@ -58,7 +59,18 @@ T = TypeVar("T")
 # what an AiocollWork's result and future carry, as gloo's: the tensors the op wrote
 Tensors = list[torch.Tensor] | list[list[torch.Tensor]]
 
-__all__ = ["BACKEND", "AiocollProcessGroup", "AiocollWork", "RankSession", "belong", "register", "release", "settle"]
+__all__ = [
+    "BACKEND",
+    "AiocollProcessGroup",
+    "AiocollWork",
+    "CommProcessGroup",
+    "RankSession",
+    "belong",
+    "register",
+    "release",
+    "settle",
+    "user_site",
+]
 
 BACKEND = "aiocoll"
 
@@ -240,10 +252,15 @@ class _C10dComm(EngineComm):
     __slots__ = ()
 
     def _site(self) -> Site:
-        f = sys._getframe(2)
-        while f.f_back is not None and (f.f_code in _SKIPPED or _skipped(f.f_code)):
-            f = f.f_back
-        return (f.f_code.co_filename, f.f_lineno)
+        return user_site()
+
+
+def user_site() -> Site:
+    """File and line of the innermost frame of the user's code, above torch.distributed's and aiocoll's."""
+    f = sys._getframe(1)
+    while f.f_back is not None and (f.f_code in _SKIPPED or _skipped(f.f_code)):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno)
 
 
 # torch's and aiocoll's code objects seen above a call (a few hundred at most; the user's
@@ -282,28 +299,38 @@ def _us(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @_torch.python_process_group
-class AiocollProcessGroup(dist.ProcessGroup):
-    """A torch.distributed process group whose collectives run on the aiocoll engine."""
+class CommProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives are calls of an aiocoll ``Comm``.
 
-    def __init__(self, comm: EngineComm, name: str) -> None:
+    torch hands it group-local ranks and lists of tensors; each op becomes the ``Comm``
+    call it stands for (same validation, same reports), and its ``Work`` waits on the
+    ``Comm``'s works. Subclasses say who may call it (``_check``) and how its works are
+    handed out (``_work``): ``AiocollProcessGroup`` for ranks of an in-process world,
+    ``_checked.CheckedProcessGroup`` over a real group in a process of its own.
+    """
+
+    backend_name = BACKEND  # the registered backend that makes it
+
+    def __init__(self, comm: Comm, name: str) -> None:
         # the (rank, size) constructor; the stubs of some releases know only the one taking a store
         args: Any = (comm.rank, comm.world_size)
         super().__init__(*args)
         self._comm = comm
         self._name = name
-        self._on_loop = not comm._threaded
-        self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
-        # a world's ranks take turns (or not) from its start, before any group is made
-        self._hand_over = comm._threaded and comm._world.turns is not None
-        self._reported = BACKEND  # what pg.name() answers (report_backend)
-        belong(comm._world, "group", self)
+        self._reported = self.backend_name  # what pg.name() answers (report_backend)
+
+    def _check(self, op: str, opts: object) -> None:
+        """Refuse a call of ``op`` that this group cannot take from the calling code."""
+
+    def _work(self, works: Sequence[Work], value: Tensors) -> AiocollWork:
+        return AiocollWork(works, value)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
         return self._name
 
     def getBackendName(self) -> str:
-        return BACKEND  # (C++ code, DDP's among it, maps this name to a backend type)
+        return self.backend_name  # (C++ code, DDP's among it, maps this name to a backend type)
 
     def name(self) -> str:
         return self._reported
@@ -326,33 +353,7 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return dist.ProcessGroupGloo.create_device(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"<AiocollProcessGroup {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
-
-    def _check(self, op: str, opts: object) -> None:
-        me = current_rank_state()
-        owner = self._owner
-        if me is not owner:
-            who = "code outside any rank" if me is None else f"rank {me.rank}"
-            raise AiocollError(
-                f"torch.distributed.{op}: the process group of rank {owner.rank} was used by {who}; each rank "
-                "must use its own groups (a default argument such as group=dist.group.WORLD evaluated "
-                "while another rank ran, e.g. at an import inside a rank, captures that rank's group)"
-            )
-        if self._on_loop and not getattr(opts, "asyncOp", True):
-            raise BlockingCallError(
-                f"torch.distributed.{op} on rank {self._comm.global_rank}: a blocking call on the event loop "
-                "thread would deadlock; use 'await dist."
-                f"{op}(..., async_op=True)' or 'await comm.{op}(...)'"
-            )
-
-    def _work(self, works: Sequence[Work], value: Tensors) -> AiocollWork:
-        if self._on_loop:
-            # functional collectives hide their Work from Python: keep them for settle()
-            issued = self._owner.issued
-            if len(issued) > 64:
-                issued[:] = [w for w in issued if not w.done()]
-            issued.extend(works)
-        return AiocollWork(works, value, self._hand_over)
+        return f"<{type(self).__name__} {self._name!r} rank={self._comm.rank}/{self._comm.world_size}>"
 
     # collectives -- c10d hands group-local ranks and tensor lists
     # (torch's stubs overload most of them with pybind's second form, for direct calls with
@@ -489,6 +490,66 @@ class AiocollProcessGroup(dist.ProcessGroup):
         return self._work([self._comm.barrier()], [])
 
     def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier``: here a barrier, whose reports name a rank that never comes."""
+        self._check("monitored_barrier", None)
+        self.barrier().wait()
+
+    # point to point: blocking on the loop is caught in Work.wait()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiocollWork:
+        self._check("send", None)
+        return self._work([self._comm.send(_u(_one("send", tensors)), dst, tag)], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiocollWork:
+        self._check("recv", None)
+        return self._work([self._comm.recv(_u(_one("recv", tensors)), src, tag)], tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiocollWork:
+        self._check("recv", None)
+        return self._work([self._comm.recv(_u(_one("recv", tensors)), None, tag)], tensors)
+
+
+@_torch.python_process_group
+class AiocollProcessGroup(CommProcessGroup):
+    """The process group of one rank of an in-process world: its collectives run on the aiocoll engine."""
+
+    _comm: EngineComm
+
+    def __init__(self, comm: EngineComm, name: str) -> None:
+        super().__init__(comm, name)
+        self._on_loop = not comm._threaded
+        self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
+        # a world's ranks take turns (or not) from its start, before any group is made
+        self._hand_over = comm._threaded and comm._world.turns is not None
+        belong(comm._world, "group", self)
+
+    def _check(self, op: str, opts: object) -> None:
+        me = current_rank_state()
+        owner = self._owner
+        if me is not owner:
+            who = "code outside any rank" if me is None else f"rank {me.rank}"
+            raise AiocollError(
+                f"torch.distributed.{op}: the process group of rank {owner.rank} was used by {who}; each rank "
+                "must use its own groups (a default argument such as group=dist.group.WORLD evaluated "
+                "while another rank ran, e.g. at an import inside a rank, captures that rank's group)"
+            )
+        if self._on_loop and not getattr(opts, "asyncOp", True):
+            raise BlockingCallError(
+                f"torch.distributed.{op} on rank {self._comm.global_rank}: a blocking call on the event loop "
+                "thread would deadlock; use 'await dist."
+                f"{op}(..., async_op=True)' or 'await comm.{op}(...)'"
+            )
+
+    def _work(self, works: Sequence[Work], value: Tensors) -> AiocollWork:
+        if self._on_loop:
+            # functional collectives hide their Work from Python: keep them for settle()
+            issued = self._owner.issued
+            if len(issued) > 64:
+                issued[:] = [w for w in issued if not w.done()]
+            issued.extend(works)
+        return AiocollWork(works, value, self._hand_over)
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
         """gloo's ``monitored_barrier`` (see ``_monitored``): rank 0 names the ranks that did not come in ``timeout``.
 
         ``timeout``: a ``timedelta`` or seconds; None: the group's own timeout, if it was
@@ -521,20 +582,6 @@ class AiocollProcessGroup(dist.ProcessGroup):
         _monitored.MonitoredBarrier(
             side, asked, kept, wait_all_ranks, broke=lambda why: world.break_group(group, why), gone=gone
         ).run()
-
-    # point to point: blocking on the loop is caught in Work.wait()
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiocollWork:
-        self._check("send", None)
-        return self._work([self._comm.send(_u(_one("send", tensors)), dst, tag)], tensors)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiocollWork:
-        self._check("recv", None)
-        return self._work([self._comm.recv(_u(_one("recv", tensors)), src, tag)], tensors)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiocollWork:
-        self._check("recv", None)
-        return self._work([self._comm.recv(_u(_one("recv", tensors)), None, tag)], tensors)
 
 
 def _create_process_group(opts: DistributedBackendOptions, backend_options: object = None) -> AiocollProcessGroup:
