@@ -337,6 +337,14 @@ def _floors(rings: Mapping[int, Sequence[Stamp]], capacity: int | None) -> dict[
 # -- real process groups ---------------------------------------------------------------------------
 
 _process: ProcessRecorder | None = None
+# the seed this process's generators started from, when aiocoll run chose it (a key of the dumps)
+_process_seed: int | None = None
+
+
+def note_process_seed(seed: int) -> None:
+    """Say in this process's dumps that its generators started from ``seed`` (``aiocoll run``'s processes)."""
+    global _process_seed
+    _process_seed = seed
 
 
 def process_recorder() -> ProcessRecorder:
@@ -366,6 +374,8 @@ def dump_process(prefix: str | os.PathLike[str] | None = None, lib: str = "nccl"
         lib=lib if _torch.fr_accepts(f"{lib}:all_reduce") else "nccl",
         first_record_id=rec.count - len(ring),
     )
+    if _process_seed is not None:  # (a key of aiocoll's own, as in one process's dumps)
+        dump["aiocoll_rank_seed"] = _process_seed
     return write(resolve_prefix(prefix), {rank: dump})
 
 

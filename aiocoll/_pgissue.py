@@ -174,6 +174,12 @@ class Issuer:
         self._seq = 0  # collectives issued: their sequence number, as in-process
         self._stamps: dict[asyncio.Future[object], Stamp] = {}
 
+    def show_as(self, name: str, desc: str) -> None:
+        """Name the group ``name`` in reports and the flight recorder (a group standing in for this one has it)."""
+        info = self._rec.groups.pop(self.name)
+        self.name = name
+        self._rec.groups[name] = (desc, *info[1:])
+
     def recent(self, n: int) -> list[Stamp]:
         """The flight-recorder stamps of this group's last ``n`` collectives, oldest first (for the checks' reports)."""
         mine = [st for st in self._rec.ring if st.group == self.name and st.seq is not None]
@@ -290,6 +296,19 @@ class Issuer:
                 self._finish(queued.fut, queued.call, None, self._aborted_error(queued.call))
             else:
                 self._submit(queued)
+
+    def seq_of(self, fut: asyncio.Future[object]) -> int | None:
+        """The number in this group of the collective ``fut`` stands for, while it is pending (None: a p2p op)."""
+        stamp = self._stamps.get(fut)
+        return None if stamp is None else stamp.seq
+
+    def fail(self, fut: asyncio.Future[object], err: BaseException) -> None:
+        """Fail the pending op of ``fut`` with ``err``, and abort the group (a deadlock seen from outside)."""
+        stamp = self._stamps.get(fut)
+        if stamp is not None:
+            stamp.failed(err)
+        self._fail(fut, err)
+        self.abort(err)
 
     def abort(self, reason: BaseException) -> None:
         """Fail the ops waiting for their checks, and every later op, at once (a mismatch or a rank gone)."""

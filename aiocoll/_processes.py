@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
-from . import _procworld, _rankmain, _runlogs
+from . import _checked, _frdump, _procworld, _rankmain, _runlogs
 from ._locals import Seeds, numpy_seed
 
 if TYPE_CHECKING:
@@ -175,10 +175,12 @@ class _RankSpec:
     module: bool
     env: dict[str, str]
     seed: int
+    checks: bool  # the groups the script makes are checked ones (``_checked``)
+    timeout: float  # seconds a collective may wait, in a group the script gave no timeout
 
     @classmethod
     def of(cls, spec: RunSpec, env: dict[str, str], seed: int) -> _RankSpec:
-        return cls(spec.script, spec.script_args, spec.module, env, seed)
+        return cls(spec.script, spec.script_args, spec.module, env, seed, spec.checks, spec.timeout)
 
 
 _INTERPRETER_MAIN = "import aiocoll._processes as p; p.interpreter_main()"
@@ -240,9 +242,12 @@ def _rank_process(rank: _RankSpec) -> int:
             stream.reconfigure(write_through=True)  # type: ignore[union-attr]
     # generators seeded anew, as a fresh process's (a fork would copy this one's to every rank)
     _reseed(rank.seed)
+    _frdump.note_process_seed(rank.seed)
     # where the rank was, when the run is interrupted (``_stop``)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=False, chain=False)
     os.environ.update(rank.env)
+    if rank.checks:
+        _checked.install(rank.timeout)
     sys.argv[:] = [rank.script, *rank.args]
     module = types.ModuleType("__main__")
     # as python puts it first: the current directory for -m, else the script's

@@ -119,6 +119,13 @@ def parser() -> argparse.ArgumentParser:
         "does is then refused, with the reason)",
     )
     own.add_argument(
+        "--no-checks",
+        action="store_true",
+        help="in processes, leave the groups the script makes as torch makes them (by default each collective "
+        "is checked across processes first: mismatches and ranks gone are reported at once, with each rank's "
+        "call and line)",
+    )
+    own.add_argument(
         "--sync-ranks",
         choices=["turns", "parallel"],
         default="turns",
@@ -163,6 +170,7 @@ class RunSpec:
     rendezvous: _Rendezvous | None  # None: a new run id and a free port, chosen as the run starts
     signals_to_handle: str | None  # torchrun's --signals-to-handle (2.13 on), which the ranks are told
     place: Place = "auto"  # where the ranks run: "auto" (in this process unless the script needs processes)
+    checks: bool = True  # in processes, the script's groups are checked ones (``_checked``)
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> RunSpec:
@@ -186,6 +194,7 @@ class RunSpec:
             rendezvous=_fixed_rendezvous(args),
             signals_to_handle=getattr(args, "signals_to_handle", None) or None,  # (older torchruns have none)
             place="processes" if args.processes else "in-process" if args.in_process else "auto",
+            checks=not args.no_checks,
         )
 
     @property

@@ -273,6 +273,20 @@ def new_group_helper(ranks: list[int], me: int, backend: str, name: str, timeout
     return pg  # type: ignore[no-any-return]
 
 
+def make_group(
+    size: int, rank: int, ranks: list[int], backend: object, store: Store, name: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """A real group of ``backend`` (the default group's stand-in where ``ranks`` is empty), registered with c10d.
+
+    Made as ``init_process_group`` or ``new_group`` would make it (``_new_process_group_helper``,
+    2.10-2.15), on ``store`` under ``name + "/real"``, with its global-to-group rank map.
+    """
+    group_name = getattr(_c10d, "GroupName", str)(f"{name}/real")
+    pg, _ = _c10d._new_process_group_helper(size, rank, ranks, backend, store, group_name, timeout=timeout)
+    _c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks or range(size))}
+    return pg  # type: ignore[no-any-return]
+
+
 def unregister_group(name: str) -> None:
     """Drop ``name`` from the C++ registry of groups (functional collectives resolve by it)."""
     _C._unregister_process_group(name)

@@ -238,6 +238,60 @@ def test_a_script_one_process_cannot_serve_gives_torchrun_s_results(tmp_path: Pa
     assert results["torchrun"][0] == (1 if kind == "exit" else 0)
 
 
+# ranks failing in processes, each way: torchrun's gloo hangs to the group's timeout (4 s
+# here) or fails with its transport's message; aiocoll's checks name every rank's call (a
+# rank that raises: test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file)
+FAILING = {
+    "mismatch": ("t = torch.ones(4 if r == 1 else 3)\ndist.all_reduce(t)", "CollectiveMismatchError"),
+    "deadlock": ("t = torch.ones(1)\nif r == 1:\n    dist.recv(t, src=0)\ndist.all_reduce(t)", "DeadlockError"),
+}
+FAILING_SCRIPT = """
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=4))
+    r = dist.get_rank()
+    dist.all_reduce(torch.ones(1))
+    print(f"SCRIPT {r}: before\\n", end="")
+BODY
+
+main()
+"""
+
+
+@pytest.mark.parametrize("kind", sorted(FAILING))
+def test_in_processes_a_failing_rank_fails_both_alike_and_aiocoll_names_each_call(tmp_path: Path, kind: str) -> None:
+    body, said = FAILING[kind]
+    script = FAILING_SCRIPT.replace("BODY", textwrap.indent(body, "    "))
+    results = {}
+    for name, launcher, tmp in _both(tmp_path, script, aiocoll=PROCESSES):
+        code, out, _ = _launch(launcher, tmp, [], [])
+        # each rank that failed wrote its error file with @record (one the agent stopped
+        # while it wrote may have left it empty)
+        errors = {
+            p.parts[-2]: json.loads(text)["message"]["message"]
+            for p in (tmp / "logs").glob("*/attempt_0/*/error.json")
+            if (text := p.read_text())
+        }
+        results[name] = (code, sorted(out), errors)
+    (code, out, errors), (torch_code, torch_out, torch_errors) = results["aiocoll"], results["torchrun"]
+    assert code == torch_code == 1
+    assert out == torch_out == ["SCRIPT 0: before", "SCRIPT 1: before"]
+    assert torch_errors and errors, (torch_errors, errors)
+    for message in errors.values():
+        assert said in message
+        if kind == "mismatch":
+            assert "rank 0: all_reduce(float32[3], op=ReduceOp.SUM) at script.py:13" in message
+            assert "rank 1: all_reduce(float32[4], op=ReduceOp.SUM) at script.py:13" in message
+        else:
+            assert "rank 0: blocked in all_reduce(float32[1], op=ReduceOp.SUM) #1 on group '0' at script.py:15" in message
+            assert "rank 1: blocked in recv(float32[1], src=0, tag=0) on group '0' at script.py:14" in message
+    assert all(said not in m for m in torch_errors.values())
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
