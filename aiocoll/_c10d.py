@@ -490,9 +490,10 @@ class CommProcessGroup(dist.ProcessGroup):
         return self._work([self._comm.barrier()], [])
 
     def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
-        """gloo's ``monitored_barrier``: here a barrier, whose reports name a rank that never comes."""
+        """gloo's ``monitored_barrier``: here a barrier, bounded by ``timeout`` (a ``timedelta`` or seconds)."""
         self._check("monitored_barrier", None)
-        self.barrier().wait()
+        secs = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        self.barrier().wait(timedelta(seconds=secs) if secs is not None else None)
 
     # point to point: blocking on the loop is caught in Work.wait()
 

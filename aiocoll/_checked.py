@@ -279,6 +279,11 @@ class CheckedProcessGroup(CommProcessGroup):
         """The real group the collectives run on."""
         return self._comm.process_group
 
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """The real group's own (gloo's): it names the ranks that did not come in ``timeout``."""
+        limit = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        dist.monitored_barrier(self.real, limit, wait_all_ranks)
+
 
 def _make_group(opts: DistributedBackendOptions, backend_options: object = None) -> CheckedProcessGroup:
     """The creator torch.distributed calls for backend ``CHECKED`` (extended API): a real group, checked."""

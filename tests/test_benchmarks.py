@@ -198,6 +198,19 @@ def test_bench_checks_quick() -> None:
     assert "the check costs" in proc.stdout
 
 
+def test_bench_run_checks_quick() -> None:
+    script = BENCH_ALLREDUCE.parent / "bench_run_checks.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| all_reduce 1 |")]
+    assert len(rows) == 1, proc.stdout
+    plain, checked, ratio = rows[0][1:4]
+    assert float(plain.split()[0]) > 0  # measured, both systems
+    assert float(checked.split()[0]) > 0
+    assert ratio.rstrip(" |").endswith("x")
+    assert "| ddp step |" in proc.stdout
+
+
 BENCH_CEILINGS = BENCH_ALLREDUCE.parent / "bench_ceilings.py"
 CEILING_SYSTEMS = [
     "threaded PG",

@@ -230,3 +230,64 @@ def test_a_rank_failing_inside_ddp_s_backward_fails_the_run_without_a_crash(tmp_
     assert "ValueError: rank 1 fails mid-training" in proc.stderr
     assert "Root Cause (first observed failure): rank 1, exitcode 1" in proc.stderr
     assert "Segmentation fault" not in proc.stderr
+
+
+INIT = r"""
+import os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+backend, init = sys.argv[1] or None, sys.argv[2]
+if init == "tcp":
+    init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+elif init == "file":
+    init = "file://" + os.path.abspath("rendezvous")
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group(backend, init_method=init, rank=rank, world_size=size)
+r = dist.get_rank()
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"RESULT {r} {t.item()} {dist.get_backend()}\n", end="")
+print(f"TYPE {r} {type(dist.group.WORLD).__name__}\n", end="")
+if backend == "cpu:gloo":
+    if r == 1:
+        time.sleep(3)
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=1))
+    except RuntimeError as e:
+        print(f"RESULT {r} monitored_barrier: {str(e).splitlines()[0]}\n", end="")
+"""
+
+
+@pytest.mark.parametrize(("backend", "init"), [("cpu:gloo", "tcp"), ("", "file")])
+def test_any_backend_and_init_method_gets_checked_groups_that_answer_as_torch_s(
+    tmp_path: Path, backend: str, init: str
+) -> None:
+    name = script(tmp_path, "init.py", INIT)
+    checked = run(tmp_path, "--processes", "--nproc-per-node", "2", name, backend, init)
+    (tmp_path / "rendezvous").unlink(missing_ok=True)
+    plain = run(tmp_path, "--processes", "--no-checks", "--nproc-per-node", "2", name, backend, init)
+    assert checked.returncode == plain.returncode == 0, checked.stderr + plain.stderr
+    assert _lines(checked, "RESULT") == _lines(plain, "RESULT")
+    assert len(_lines(checked, "RESULT")) == (3 if backend else 2)  # gloo's monitored barrier names rank 1
+    assert {line.split()[2] for line in _lines(checked, "TYPE")} == {"CheckedProcessGroup"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py",
+        Path(__file__).parent / "scripts" / "fsdp2_dcp.py",
+    ],
+    ids=["ddp-dataloader-checkpoint", "fsdp2-dcp"],
+)
+def test_training_scripts_give_in_process_results_in_checked_processes(tmp_path: Path, path: Path) -> None:
+    """In one process they give torchrun's results (test_run_conformance); checked in processes, the same."""
+
+    def printed(*options: str) -> list[str]:
+        proc = run(tmp_path, *options, "--nproc-per-node", "4", str(path), str(tmp_path / options[0].strip("-")))
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stdout.splitlines() if line.startswith("world 4:")]
+
+    checked = printed("--processes")
+    assert len(checked) == 1
+    assert checked[0].endswith("True")  # the checkpoint restored what was saved
+    assert checked == printed("--in-process")
