@@ -87,6 +87,7 @@ __all__ = [
     "RankThreads",
     "bind",
     "bound_rank",
+    "own_code",
     "rank_pid",
     "run_exit_handlers",
     "unbind",
@@ -248,14 +249,21 @@ def _in_forked_child() -> None:
 
     It runs on with a copy of that thread, still bound to the rank: it keeps the rank's
     environment, now as its real one (a child inherits its parent's), and is a rank no
-    more, so that its ``os._exit``, ``time.sleep`` and ``atexit`` are the real ones.
+    more, so that its ``os._exit``, ``time.sleep``, ``atexit`` and torch.distributed are
+    the real ones.
     """
-    view, logs = _ENVIRON.get(), _LOGGING.get()
+    view, logs, rank = _ENVIRON.get(), _LOGGING.get(), _RANK.get()
     unbind()
     if view is not None:
         restore_environ(view.as_dict())
     if logs is not None:
         logs.make_the_process_s()
+    if rank is not None:
+        # nor does it act for the rank any more: its torch.distributed is the process's own
+        # (the groups it makes are its own, as a forked process's are), where a rank's
+        # init_process_group in it would take it for the rank itself
+        _current.forget_all()
+        _current.RANK.set(None)
 
 
 os.register_at_fork(after_in_child=_in_forked_child)
@@ -385,18 +393,21 @@ class ProcessOnly:
         """``os.getpid``: the rank's own (``rank_pid``) to its own code, which may take it as the
         rank's identity (a file named by it); libraries (the standard library's ``logging``,
         installed packages, aiocoll) get the real one."""
-        libraries = (*RankExit.LIBRARIES, PACKAGE_DIR, "<")  # ("<frozen ...>", "<string>": no file of the rank's)
-        tests = ProcessOnly.TORCH_TESTS
 
         def getpid() -> int:
             pid = _PID.get()
-            if pid is not None:
-                where = sys._getframe(1).f_code.co_filename
-                if not where.startswith(libraries) or where.startswith(tests):
-                    return pid
+            if pid is not None and own_code(sys._getframe(1).f_code.co_filename):
+                return pid
             return real()
 
         return _stand_in(getpid, real, "getpid")
+
+
+def own_code(filename: str) -> bool:
+    """Whether code of ``filename`` is a rank's own (the script's, its modules', torch's tests),
+    not a library's (the standard library, installed packages, aiocoll)."""
+    libraries = (*RankExit.LIBRARIES, PACKAGE_DIR, "<")  # ("<frozen ...>", "<string>": no file of the rank's)
+    return not filename.startswith(libraries) or filename.startswith(ProcessOnly.TORCH_TESTS)
 
 
 class OnePerProcess(importlib.abc.MetaPathFinder):
