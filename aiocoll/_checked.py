@@ -328,12 +328,41 @@ def _rendezvous(url: str, rank: int, world_size: int) -> tuple[Store, int, int] 
     return None  # torch's own: the ranks are processes, and meet as under torchrun
 
 
+def _monitored_barrier(real: Callable[..., None]) -> Callable[..., None]:
+    """``dist.monitored_barrier``: on a checked group, the real group's (gloo's, which names the ranks
+    that did not come; torch 2.15 asks the group itself for a CPU backend, which a Python group lacks)."""
+
+    @functools.wraps(real)
+    def monitored_barrier(group: Any = None, *args: Any, **kwargs: Any) -> None:
+        pg = group if group is not None else (_torch.default_group() if dist.is_initialized() else None)
+        if isinstance(pg, CheckedProcessGroup):
+            group = pg.real
+        real(group, *args, **kwargs)
+
+    return monitored_barrier
+
+
+def _checked_init(key: object) -> list[_patches.Change]:
+    real = dist.monitored_barrier
+    c10d = sys.modules[real.__module__]  # (distributed_c10d, where torch.distributed took it from)
+    barrier = _monitored_barrier(real)
+    return [
+        *_torch.process_harness.init_changes(_group_backend, _rendezvous),
+        _patches.Attr(dist, "monitored_barrier", barrier),
+        _patches.Attr(c10d, "monitored_barrier", barrier),
+    ]
+
+
 CHECKED_INIT = _patches.PatchSet(
     "checked groups",
     "in a rank's process of aiocoll run (processes mode), the groups c10d makes for gloo, nccl... are "
-    "checked ones, each over a real group of that backend",
-    lambda key: _torch.process_harness.init_changes(_group_backend, _rendezvous),
-    _torch.process_harness.INIT_TARGETS,
+    "checked ones, each over a real group of that backend; monitored_barrier on one is its real group's",
+    _checked_init,
+    [
+        *_torch.process_harness.INIT_TARGETS,
+        "torch.distributed.monitored_barrier",
+        "torch.distributed.distributed_c10d.monitored_barrier",
+    ],
 )
 
 _run_timeout: float | None = None
