@@ -11,7 +11,13 @@ call of a ``ProcessGroupComm`` with checks (``_xcheck``) on the real group, so:
   ops or split sizes, raise ``CollectiveMismatchError`` in every process within a round
   trip, naming each rank's call and file:line in the script; the op is never issued;
 * a rank whose process exits or dies is named in the survivors' ``WorldAbortedError``;
+* every process blocked in ops that none of the others can meet is a deadlock, reported
+  with what each rank waits in (``_xdeadlock``);
 * ``$TORCH_FR_DUMP_TEMP_FILE`` gets the flight recorder's dumps, in torch's format.
+
+``multiprocessing.Process`` children that the script's own code starts under ``aiocoll run``
+(``CHILD_PROCESSES``) make checked groups too, and say so: such children are often the
+script's ranks (the distributed tutorial starts them so).
 
 The checks of a process run on an event loop of their own, on a daemon thread
 (``_ChecksLoop``): the script's threads (its main thread, DDP's reducer, a checkpoint

@@ -261,8 +261,8 @@ def _in_forked_child() -> None:
     if rank is not None:
         # nor does it act for the rank any more: its torch.distributed is the process's own
         # (the groups it makes are its own, as a forked process's are), where a rank's
-        # init_process_group in it would take it for the rank itself
-        _current.forget_all()
+        # init_process_group in it would take it for the rank itself (_procworld forgets
+        # the world; where its output goes stays the rank's, as a child inherits its fds)
         _current.RANK.set(None)
 
 

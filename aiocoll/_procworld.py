@@ -77,6 +77,8 @@ MAPPED_BACKENDS = frozenset({"gloo", "nccl", "ncclx", "xccl", "hccl", "mpi", "uc
 # the world whose rank the calling thread runs, and that rank (not carried: a thread the rank
 # starts is not the rank's own, and counts no barriers of its own)
 _HERE: _current.Facet[tuple[InProcessWorld, int] | None] = _current.Facet("harness world", None, carried=False)
+# a process forked from a rank's thread is in no world (see _procstate._in_forked_child)
+os.register_at_fork(after_in_child=lambda: _HERE.set(None))
 
 
 def _suite_barrier(real: Callable[[int | None, float], None], wait_for: int | None, timeout: float) -> None:
