@@ -393,7 +393,9 @@ def install(timeout: float | None, say: str | None = None) -> None:
 def _said() -> None:
     global _say
     if _say is not None:
-        print(_say, file=sys.stderr, flush=True)
+        # one write: the script's other processes write to the same stream, unbuffered
+        sys.stderr.write(_say + "\n")
+        sys.stderr.flush()
         _say = None
 
 
