@@ -238,12 +238,12 @@ def test_a_script_one_process_cannot_serve_gives_torchrun_s_results(tmp_path: Pa
     assert results["torchrun"][0] == (1 if kind == "exit" else 0)
 
 
-# ranks failing in processes, each way: torchrun's gloo hangs to the group's timeout (4 s
-# here) or fails with its transport's message; aiocoll's checks name every rank's call (a
+# ranks failing in processes, each way: torchrun's gloo hangs to the group's timeout (a few
+# seconds here) or fails with its transport's message; aiocoll's checks name every rank's call (a
 # rank that raises: test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file)
-FAILING = {
-    "mismatch": ("t = torch.ones(4 if r == 1 else 3)\ndist.all_reduce(t)", "CollectiveMismatchError"),
-    "deadlock": ("t = torch.ones(1)\nif r == 1:\n    dist.recv(t, src=0)\ndist.all_reduce(t)", "DeadlockError"),
+FAILING = {  # (the script's group timeout, s: the deadlock watch needs about 1.5 s, loaded CI more)
+    "mismatch": ("t = torch.ones(4 if r == 1 else 3)\ndist.all_reduce(t)", "CollectiveMismatchError", 4),
+    "deadlock": ("t = torch.ones(1)\nif r == 1:\n    dist.recv(t, src=0)\ndist.all_reduce(t)", "DeadlockError", 8),
 }
 FAILING_SCRIPT = """
 from datetime import timedelta
@@ -252,7 +252,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
 def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=4))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
     r = dist.get_rank()
     dist.all_reduce(torch.ones(1))
     print(f"SCRIPT {r}: before\\n", end="")
@@ -264,8 +264,8 @@ main()
 
 @pytest.mark.parametrize("kind", sorted(FAILING))
 def test_in_processes_a_failing_rank_fails_both_alike_and_aiocoll_names_each_call(tmp_path: Path, kind: str) -> None:
-    body, said = FAILING[kind]
-    script = FAILING_SCRIPT.replace("BODY", textwrap.indent(body, "    "))
+    body, said, timeout = FAILING[kind]
+    script = FAILING_SCRIPT.replace("BODY", textwrap.indent(body, "    ")).replace("TIMEOUT", str(timeout))
     results = {}
     for name, launcher, tmp in _both(tmp_path, script, aiocoll=PROCESSES):
         code, out, _ = _launch(launcher, tmp, [], [])
