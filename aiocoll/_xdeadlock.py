@@ -12,8 +12,10 @@ them, no process is gone (those are named by ``Presence`` instead), and no wait 
 met by another's: a collective needs every member waiting in the same one, a ``recv``
 a peer waiting in the matching ``send``, and the other way round.
 
-Only waits in ``Work.wait()`` count: a process whose thread computes, sleeps, or waits
-in anything else is not blocked, so no deadlock is ever reported while one might go on.
+A store that cannot be reached (its host, rank 0's process, has ended) ends the looking:
+the op then fails as the transport and ``Presence`` say. Only waits in ``Work.wait()``
+count: a process whose thread computes, sleeps, or waits in anything else is not
+blocked, so no deadlock is ever reported while one might go on.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from ._errors import DeadlockError
-from ._presence import Presence
+from ._presence import Presence, StoreUnreachable
 
 __all__ = ["WATCH_AFTER", "Wait", "Watch", "watching"]
 
@@ -95,6 +98,8 @@ class _Board:
         self._waits: dict[int, Wait] = {}  # by the id of the Watch that waits
         self._version = 0  # changes with the set
         self._published = -1  # the version the store has (-1: none)
+        self.gone = False  # the store is unreachable: no look can tell a deadlock any more
+        self._acked: str | None = None  # the deadlock this process said it read
 
     def key(self, rank: int) -> str:
         return f"{self.presence.prefix}waits/{rank}"
@@ -118,8 +123,53 @@ class _Board:
 
     def _publish(self) -> None:
         entry = {"version": self._version, "waits": [dataclasses.asdict(w) for w in self._waits.values()]}
-        self.presence.store.set(self.key(self.rank), json.dumps(entry))
+        try:
+            self.presence.store.set(self.key(self.rank), json.dumps(entry))
+        except Exception:  # the store's host left (a peer that ended): nothing to tell any more
+            self.gone = True
+            return
         self._published = self._version
+
+    def told(self) -> str | None:
+        """The deadlock another process found among this process's waits as published now, if any (acknowledged)."""
+        store = self.presence.store
+        key = self.key_of("deadlock")
+        try:
+            if not store.check([key]):
+                return None
+            found = json.loads(bytes(store.get(key)).decode())
+            if found["versions"].get(str(self.rank)) != self._published:
+                return None  # an earlier one (its waits are over)
+            self._ack(found["message"])
+        except Exception:
+            self.gone = True
+            return None
+        return str(found["message"])
+
+    def tell(self, message: str, seen: dict[int, tuple[int, list[Wait]]]) -> None:
+        """Tell the other processes the deadlock found in ``seen``, and wait (a little) until they read it.
+
+        So that every rank reports the deadlock, not one of them its peer's exit: the first
+        to raise may end its process, and with rank 0's the store.
+        """
+        store = self.presence.store
+        found = {"message": message, "versions": {str(r): v for r, (v, _) in seen.items()}}
+        try:
+            store.set(self.key_of("deadlock"), json.dumps(found))
+            self._ack(message)
+            deadline = time.monotonic() + 4 * WATCH_AFTER
+            while int(store.add(self.key_of("deadlock-read"), 0)) < self.size and time.monotonic() < deadline:
+                time.sleep(WATCH_AFTER / 10)
+        except Exception:
+            self.gone = True
+
+    def _ack(self, message: str) -> None:
+        if self._acked != message:
+            self._acked = message
+            self.presence.store.add(self.key_of("deadlock-read"), 1)
+
+    def key_of(self, name: str) -> str:
+        return f"{self.presence.prefix}waits/{name}"
 
     def read(self) -> dict[int, tuple[int, list[Wait]]] | None:
         """Every process's published waits (by global rank), or None if one is not blocked."""
@@ -127,9 +177,13 @@ class _Board:
         seen = {}
         for r in range(self.size):
             key = self.key(r)
-            if not store.check([key]):
-                return None  # never blocked for long
-            entry = json.loads(bytes(store.get(key)).decode())
+            try:
+                if not store.check([key]):
+                    return None  # never blocked for long
+                entry = json.loads(bytes(store.get(key)).decode())
+            except Exception:  # the store's host left: the transport or Presence names who
+                self.gone = True
+                return None
             waits = [Wait(**{**w, "ranks": tuple(w["ranks"])}) for w in entry["waits"]]
             if not waits:
                 return None
@@ -153,21 +207,27 @@ class Watch:
         """Publish this process's waits; the deadlock if every process is in one (blocking: a few store calls)."""
         board = self.board
         board.publish()
-        seen = board.read()
+        told = None if board.gone else board.told()
+        if told is not None:
+            return DeadlockError(told)
+        seen = None if board.gone else board.read()
         last, self._last = self._last, seen
         if seen is None or last is None or any(seen[r][0] != last[r][0] for r in seen):
             return None  # someone is not blocked, or moved since the last look
         waits = {r: w for r, (_, w) in seen.items()}
         if any(w.met_by(r, waits) for r, ws in waits.items() for w in ws):
             return None
-        if any(s.dead() is not None for s in board.presence.look(range(board.size)).values()):
-            return None  # a process is gone: the checks name it
+        try:
+            if any(s.dead() is not None for s in board.presence.look(range(board.size)).values()):
+                return None  # a process is gone: the checks name it
+        except StoreUnreachable:
+            return None
         lines = [
             f"  rank {r}: blocked in {w.what} -- {w.waits_for(r, waits)}" for r, ws in sorted(waits.items()) for w in ws
         ]
-        return DeadlockError(
-            "deadlock: every rank's process waits for a peer that will never arrive\n" + "\n".join(lines)
-        )
+        message = "deadlock: every rank's process waits for a peer that will never arrive\n" + "\n".join(lines)
+        board.tell(message, seen)
+        return DeadlockError(message)
 
 
 @contextlib.contextmanager
