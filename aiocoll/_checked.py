@@ -15,10 +15,6 @@ call of a ``ProcessGroupComm`` with checks (``_xcheck``) on the real group, so:
   with what each rank waits in (``_xdeadlock``);
 * ``$TORCH_FR_DUMP_TEMP_FILE`` gets the flight recorder's dumps, in torch's format.
 
-``multiprocessing.Process`` children that the script's own code starts under ``aiocoll run``
-(``CHILD_PROCESSES``) make checked groups too, and say so: such children are often the
-script's ranks (the distributed tutorial starts them so).
-
 The checks of a process run on an event loop of their own, on a daemon thread
 (``_ChecksLoop``): the script's threads (its main thread, DDP's reducer, a checkpoint
 writer's) issue their ops there and block in ``Work.wait()`` as on gloo's works. The
@@ -33,15 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import torch
@@ -56,7 +50,6 @@ from ._errors import CollectiveTimeoutError
 from ._pg import PGWork, ProcessGroupComm
 from ._pgissue import Issuer
 from ._presence import Presence
-from ._procstate import bound_rank, own_code
 from ._procworld import MAPPED_BACKENDS
 from ._work import Site, TorchFutures, cancelled_error, fmt_site
 from ._xdeadlock import WATCH_AFTER, Wait, watching
@@ -67,10 +60,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKED",
     "CHECKED_INIT",
-    "CHILD_PROCESSES",
     "CheckedProcessGroup",
-    "ChildTarget",
-    "checked_children",
     "install",
 ]
 
@@ -315,7 +305,6 @@ def _make_group(opts: DistributedBackendOptions, backend_options: object = None)
             int(opts.group_size), int(opts.group_rank), ranks, _ASKED.get(), opts.store, name, timeout
         )
     seconds = _run_timeout if timeout in _TORCH_DEFAULTS else None  # (None: the group's own)
-    _said()
     comm = _ThreadedComm(real, _ChecksLoop.get(), seconds)
     comm.show_as(name, str(getattr(opts, "group_desc", "undefined")))
     return CheckedProcessGroup(comm, name)
@@ -372,93 +361,20 @@ CHECKED_INIT = _patches.PatchSet(
 )
 
 _run_timeout: float | None = None
-_say: str | None = None  # said on this process's first checked group (a process the script started)
 
 
-def install(timeout: float | None, say: str | None = None) -> None:
+def install(timeout: float | None) -> None:
     """In a rank's process, before its script runs: the groups it makes are checked ones.
 
     ``timeout``: seconds a collective may wait in a group the script gave no timeout of
-    its own (``aiocoll run --timeout``); None: torch's. ``say``: printed (stderr) when the
-    process makes its first group.
+    its own (``aiocoll run --timeout``); None: torch's.
     """
-    global _run_timeout, _say
-    _run_timeout, _say = timeout, say
+    global _run_timeout
+    _run_timeout = timeout
     if CHECKED not in dist.Backend.backend_list:
         dist.Backend.register_backend(CHECKED, _make_group, extended_api=True, devices=["cpu", "cuda"])
     if not any(inst.name == CHECKED_INIT.name for inst in _patches.installed()):
         _patches.acquire(CHECKED_INIT)
-
-
-def _said() -> None:
-    global _say
-    if _say is not None:
-        # one write: the script's other processes write to the same stream, unbuffered
-        sys.stderr.write(_say + "\n")
-        sys.stderr.flush()
-        _say = None
-
-
-# -- processes the script starts with multiprocessing ----------------------------------------
-
-
-class ChildTarget:
-    """The target of a ``multiprocessing.Process`` that a rank's own code starts under ``aiocoll run``.
-
-    In the child (forked, or a fresh interpreter, which unpickles it) the groups its code
-    makes are checked ones, and the first says so: such a process is one of the script's
-    own ranks as often as not (the "Writing Distributed Applications" tutorial starts its
-    ranks so), and runs as a process of its own, never unchecked and unsaid.
-    """
-
-    def __init__(self, target: Callable[..., object], timeout: float | None, started_by: str) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.started_by = started_by
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        install(
-            self.timeout,
-            say=f"aiocoll run: process {os.getpid()} ({self.started_by} started it with multiprocessing) runs as "
-            "a process of its own, as under torchrun; the groups it makes are checked across processes",
-        )
-        return self.target(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<ChildTarget {self.target!r} ({self.started_by})>"
-
-
-def _child_start(start: Callable[[Any], None]) -> Callable[[Any], None]:
-    @functools.wraps(start)
-    def wrapper(self: Any) -> None:
-        target = getattr(self, "_target", None)
-        if callable(target) and not isinstance(target, ChildTarget) and own_code(sys._getframe(1).f_code.co_filename):
-            rank = bound_rank()
-            who = "the script" if rank is None else f"rank {rank}"
-            self._target = ChildTarget(target, _children_timeout, who)
-        start(self)
-
-    return wrapper
-
-
-_children_timeout: float | None = None
-
-CHILD_PROCESSES = _patches.PatchSet(
-    "aiocoll run's child processes",
-    "while aiocoll run runs: a multiprocessing.Process the script's own code starts makes checked groups "
-    "(a process of its own, as a rank of the processes mode), and says so",
-    lambda key: [_patches.Attr(BaseProcess, "start", _child_start(BaseProcess.start))],
-    ["multiprocessing.process.BaseProcess.start"],
-)
-
-
-@contextlib.contextmanager
-def checked_children(timeout: float | None) -> Iterator[None]:
-    """While ``aiocoll run`` runs: processes the script starts with multiprocessing are checked (``ChildTarget``)."""
-    global _children_timeout
-    _children_timeout = timeout
-    with _patches.lease(CHILD_PROCESSES):
-        yield
 
 
 def _forked() -> None:

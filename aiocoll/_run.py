@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple, cast
 
 import torch
 
-from . import _checked, _mpspawn, _patches, _processes, _procstate, _procworld, _rankmain, _runlogs, _scriptread, _torch
+from . import _mpspawn, _patches, _processes, _procstate, _procworld, _rankmain, _runlogs, _scriptread, _torch
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SyncRanks, WorldOptions
 from ._errors import RankExitedError
 from ._locals import Seeds
@@ -583,7 +583,6 @@ def _in_this_process(
     with (
         _patches.lease(SCRIPT, script),
         _mpspawn.spawned_ranks(spec.timeout, _NO_DEADLINE, seeds.then("mp.spawn")) as spawned,
-        _checked.checked_children(spec.timeout),
     ):
         for restart in range(spec.max_restarts + 1):
             with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:

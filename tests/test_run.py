@@ -1042,3 +1042,58 @@ def test_the_flight_recorder_s_dumps_carry_each_rank_s_seed_and_torch_s_analyzer
         check=False,
     )
     assert analyzed.returncode == 0, analyzed.stderr
+
+
+TUTORIAL = r"""
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def init_process(rank, size, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    tensor = torch.zeros(1)
+    if rank == 0:
+        tensor += 1
+        dist.send(tensor=tensor, dst=1)
+    else:
+        dist.recv(tensor=tensor, src=0)
+    print(f"SCRIPT rank {rank} has {tensor[0]}, a pid of its own {os.getpid() != os.getppid()}\n", end="")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import socket
+
+    with socket.socket() as s:  # (a free port: runs side by side)
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    mp.set_start_method(sys.argv[1])
+    processes = [mp.Process(target=init_process, args=(rank, 2, port)) for rank in range(2)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    print(f"SCRIPT exit codes {[p.exitcode for p in processes]}\n", end="")
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_processes_the_script_starts_with_multiprocessing_run_as_under_python(tmp_path: Path, method: str) -> None:
+    """The "Writing Distributed Applications" tutorial's launcher: its ranks are mp.Process children.
+
+    A child forked from a rank's thread is no rank: its init_process_group is its own (it
+    used to be taken for the rank's, and failed).
+    """
+    name = script(tmp_path, "tutorial.py", TUTORIAL)
+    ref = subprocess.run(
+        [sys.executable, name, method], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    ours = run(tmp_path, name, method)
+    assert ours.returncode == ref.returncode == 0, ours.stderr + ref.stderr
+    lines = sorted(line for line in ours.stdout.splitlines() if line.startswith("SCRIPT"))
+    assert lines == sorted(line for line in ref.stdout.splitlines() if line.startswith("SCRIPT"))
+    assert "SCRIPT exit codes [0, 0]" in lines

@@ -8,7 +8,6 @@ call and line, as in one process, well before the run's ``--timeout``.
 from __future__ import annotations
 
 import pickle
-import re
 import subprocess
 import sys
 import textwrap
@@ -295,74 +294,3 @@ def test_training_scripts_give_in_process_results_in_checked_processes(tmp_path:
     assert len(checked) == 1
     assert checked[0].endswith("True")  # the checkpoint restored what was saved
     assert checked == printed("--in-process")
-
-
-TUTORIAL = r"""
-import os, sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def run(rank, size):
-    tensor = torch.zeros(1)
-    if rank == 0:
-        tensor += 1
-        dist.send(tensor=tensor, dst=1)
-    else:
-        dist.recv(tensor=tensor, src=0)
-    if "mismatch" in sys.argv and rank == 1:
-        dist.broadcast(tensor, src=0)
-    else:
-        dist.all_reduce(tensor)
-    print(f"SCRIPT rank {rank} has {tensor[0]}, a pid of its own {os.getpid() != os.getppid()}\n", end="")
-    print(f"TYPE {rank} {type(dist.group.WORLD).__name__}\n", end="")
-
-
-def init_process(rank, size, fn, port, backend="gloo"):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
-    dist.init_process_group(backend, rank=rank, world_size=size)
-    fn(rank, size)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as s:  # (a free port: runs side by side)
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    mp.set_start_method(sys.argv[1])
-    processes = []
-    for rank in range(2):
-        p = mp.Process(target=init_process, args=(rank, 2, run, port))
-        p.start()
-        processes.append(p)
-    for p in processes:
-        p.join()
-    print(f"SCRIPT exit codes {[p.exitcode for p in processes]}\n", end="")
-"""
-
-
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_processes_the_script_starts_with_multiprocessing_are_checked_and_said(tmp_path: Path, method: str) -> None:
-    """The "Writing Distributed Applications" tutorial's launcher: its ranks are mp.Process children."""
-    name = script(tmp_path, "tutorial.py", TUTORIAL)
-    ref = subprocess.run(
-        [sys.executable, name, method], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-    )
-    ours = run(tmp_path, name, method)
-    assert ours.returncode == ref.returncode == 0, ours.stderr + ref.stderr
-    assert _lines(ours, "SCRIPT") == _lines(ref, "SCRIPT")
-    assert "SCRIPT exit codes [0, 0]" in _lines(ours, "SCRIPT")
-    assert {line.split()[2] for line in _lines(ours, "TYPE")} == {"CheckedProcessGroup"}
-    said = re.findall(r"aiocoll run: process \d+ \((.*?) started it with multiprocessing\)", ours.stderr)
-    assert said == ["rank 0", "rank 0"], ours.stderr  # once per child, at its first group
-    assert ours.stderr.count("the groups it makes are checked across processes") == 2
-    mismatch = run(tmp_path, name, method, "mismatch")
-    assert "SCRIPT exit codes [1, 1]" in _lines(mismatch, "SCRIPT")
-    assert mismatch.stderr.count("CollectiveMismatchError: ranks called different collectives") == 2
-    calls = [line.strip() for line in mismatch.stderr.splitlines() if line.startswith("  rank ")]
-    assert any(c.startswith("rank 1: broadcast(float32[1], src=0) at") and c.endswith("tutorial.py:16") for c in calls)
-    assert any(c.startswith("rank 0: all_reduce(float32[1]") and c.endswith("tutorial.py:18") for c in calls)
