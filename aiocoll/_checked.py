@@ -302,7 +302,7 @@ def _make_group(opts: DistributedBackendOptions, backend_options: object = None)
     timeout: timedelta = opts.timeout
     with _REAL.bound(True):
         real = _torch.make_group(
-            int(opts.group_size), int(opts.group_rank), ranks, _ASKED.get(), opts.store, name, timeout
+            int(opts.group_size), int(opts.group_rank), ranks, _ASKED.get(), opts.store, f"{name}/real", timeout
         )
     seconds = _run_timeout if timeout in _TORCH_DEFAULTS else None  # (None: the group's own)
     comm = _ThreadedComm(real, _ChecksLoop.get(), seconds)

@@ -259,29 +259,20 @@ def default_store() -> Store:
 
 
 def new_group_helper(ranks: list[int], me: int, backend: str, name: str, timeout: timedelta) -> dist.ProcessGroup:
-    """A group of global ``ranks`` made by its members only, registered with c10d.
-
-    ``_new_process_group_helper`` (2.10-2.15) makes and registers the group; its
-    global-to-group rank map is filled in here, as ``new_group`` does. Group names are
-    ``GroupName``, a str subclass (plain str where a torch has none).
-    """
-    group_name = getattr(_c10d, "GroupName", str)(name)
-    pg, _ = _c10d._new_process_group_helper(
-        len(ranks), ranks.index(me), ranks, backend, _c10d._get_default_store(), group_name, timeout=timeout
-    )
-    _c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
-    return pg  # type: ignore[no-any-return]
+    """A group of global ``ranks`` made by its members only, on the default store (see ``make_group``)."""
+    return make_group(len(ranks), ranks.index(me), ranks, backend, _c10d._get_default_store(), name, timeout)
 
 
 def make_group(
     size: int, rank: int, ranks: list[int], backend: object, store: Store, name: str, timeout: timedelta
 ) -> dist.ProcessGroup:
-    """A real group of ``backend`` (the default group's stand-in where ``ranks`` is empty), registered with c10d.
+    """A group of ``backend`` named ``name`` (the default group's stand-in if ``ranks`` is empty), registered.
 
-    Made as ``init_process_group`` or ``new_group`` would make it (``_new_process_group_helper``,
-    2.10-2.15), on ``store`` under ``name + "/real"``, with its global-to-group rank map.
+    ``_new_process_group_helper`` (2.10-2.15) makes and registers the group on ``store``;
+    its global-to-group rank map is filled in here, as ``new_group`` does. Group names are
+    ``GroupName``, a str subclass (plain str where a torch has none).
     """
-    group_name = getattr(_c10d, "GroupName", str)(f"{name}/real")
+    group_name = getattr(_c10d, "GroupName", str)(name)
     pg, _ = _c10d._new_process_group_helper(size, rank, ranks, backend, store, group_name, timeout=timeout)
     _c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks or range(size))}
     return pg  # type: ignore[no-any-return]
