@@ -43,6 +43,8 @@ from aiocoll._presence import Presence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_process_group import hold_gil, linger, play_presence, run_processes
 
+pytestmark = pytest.mark.processes
+
 HERE = Path(__file__).name
 PER_PROC = 2
 TIMEOUT = 60.0

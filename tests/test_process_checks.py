@@ -36,6 +36,8 @@ from aiocoll._presence import Presence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_process_group import hold_gil, linger, play_presence, run_processes
 
+pytestmark = pytest.mark.processes
+
 LAUNCH_TIMEOUT = 90.0
 HERE = Path(__file__).name
 

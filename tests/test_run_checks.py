@@ -18,6 +18,8 @@ import pytest
 
 from aiocoll._locals import Seeds
 
+pytestmark = pytest.mark.processes
+
 
 def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
