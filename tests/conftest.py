@@ -1,10 +1,9 @@
 """Shared fixtures: every engine test runs on both asyncio and uvloop.
 
 ``AIOCOLL_CI_LEAVE_OUT`` (a comma-separated list of markers: ``bench_smoke``,
-``launcher_conformance``, ``processes``) skips those groups of tests, saying so: ``.ci/run`` sets it in the
-cells that only check another torch, so that the whole matrix stays within its time budget
-while every group still runs in at least one cell. Unset (a developer's run), nothing is
-left out.
+``launcher_conformance``, ``processes``) skips those groups of tests, saying so: ``.ci/run``
+sets it in each cell, so that the whole matrix stays within its time budget while every
+group still runs in at least one cell. Unset (a developer's run), nothing is left out.
 """
 
 from __future__ import annotations
