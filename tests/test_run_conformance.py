@@ -82,8 +82,11 @@ def _launch(
         timeout=180,
         check=False,
     )
-    out = [line for line in proc.stdout.splitlines() if "SCRIPT" in line]
-    err = [line for line in proc.stderr.splitlines() if "SCRIPT" in line]
+    # from "SCRIPT" on: a script's line is one write, but torch 2.10's gloo writes its "[Gloo]
+    # Rank N is connected to ..." in pieces, which another process's line can land among
+    # (seen in CI: "[Gloo] Rank [Gloo] Rank SCRIPT 1: handled" under torchrun)
+    out = [line[line.index("SCRIPT") :] for line in proc.stdout.splitlines() if "SCRIPT" in line]
+    err = [line[line.index("SCRIPT") :] for line in proc.stderr.splitlines() if "SCRIPT" in line]
     return proc.returncode, out, err
 
 
