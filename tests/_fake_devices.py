@@ -57,9 +57,21 @@ class FakeDevices:
         self.initialized = True
         self._thread.device = index
 
+    def memory_allocated(self, device: int | str | torch.device | None = None) -> int:
+        # (nothing runs on a fake device; and on a machine with fewer real GPUs than the
+        # fake's count, torch's own answer for a fake index raises "Invalid device argument")
+        return 0
+
     def install(self, setattr_: Callable[[object, str, object], None] = setattr) -> None:
         """Put the model in place of torch's (``setattr_``: e.g. a monkeypatch's, to undo it)."""
-        for name in ("is_available", "device_count", "is_initialized", "current_device", "set_device"):
+        for name in (
+            "is_available",
+            "device_count",
+            "is_initialized",
+            "current_device",
+            "set_device",
+            "memory_allocated",
+        ):
             setattr_(torch.cuda, name, getattr(self, name))
         setattr_(torch.accelerator, "set_device_index", self.set_device)
 

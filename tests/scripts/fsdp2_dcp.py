@@ -7,16 +7,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
 def model() -> nn.Module:
     torch.manual_seed(0)
+    # (a CPU script: fully_shard's default mesh is on the accelerator where there is one)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     for layer in m:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    return fully_shard(m)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
 
 
 def main(ckpt: str) -> None:
