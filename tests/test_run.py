@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launcher
+
 # every variable torchrun's agent sets for a worker (torch/distributed/elastic/agent/server/local_elastic_agent.py)
 TORCHRUN_ENV = (
     "RANK",
