@@ -25,6 +25,9 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   ``%(process)d``) get the real one.
 - ``RankLogging`` (``_logstate``): each rank's ``logging`` configuration, handlers,
   levels and all; what it added is flushed and closed when the rank ends.
+- ``_libstate``: a library's state kept in a class-level dict (accelerate's
+  ``PartialState``, ``AcceleratorState``, ``GradientState``) is each rank's own, empty
+  at its start as in a fresh process.
 - ``RankExit``: what a rank's test code registers with ``atexit`` runs when the rank
   ends, as its process's exit would run it, not when the test run ends.
 - ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
@@ -69,7 +72,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch.distributed as dist
 import torch.distributed.rpc as _rpc  # (torch.distributed imports it already)
 
-from . import _current, _patches, _torch
+from . import _current, _libstate, _patches, _torch
 from ._logstate import RankLogging, descriptors
 from ._paths import PACKAGE_DIR
 
@@ -196,11 +199,13 @@ def bind(
     _EXITS.set([])
     _LOGGING.set(RankLogging())
     _PID.set(next(_pids))
+    _libstate.bind()
 
 
 def unbind() -> None:
     for facet in (_RANK, _ENVIRON, _PAUSE, _STEPPED_OUT, _EXITS, _LOGGING, _PID):
         facet.set(None)
+    _libstate.unbind()
 
 
 def rank_pid() -> int | None:
@@ -253,6 +258,7 @@ def _in_forked_child() -> None:
     the real ones.
     """
     view, logs, rank = _ENVIRON.get(), _LOGGING.get(), _RANK.get()
+    _libstate.in_forked_child()  # (before unbind: the rank's libraries' state becomes the process's)
     unbind()
     if view is not None:
         restore_environ(view.as_dict())
@@ -421,7 +427,6 @@ class OnePerProcess(importlib.abc.MetaPathFinder):
     """
 
     LIBRARIES: ClassVar[dict[str, str]] = {
-        "accelerate": "whose PartialState, behind its Accelerator, is one per process",
         "lightning": "which keeps the process's rank in rank_zero_only.rank",
         "lightning_fabric": "which keeps the process's rank in rank_zero_only.rank",
         "pytorch_lightning": "which keeps the process's rank in rank_zero_only.rank",
@@ -430,6 +435,11 @@ class OnePerProcess(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
+        if fullname in _libstate.SHARED_STATES:  # (imported in any thread: the ranks' state is their own)
+            spec = self._real_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _ThenPerRank(spec.loader, fullname)
+            return spec
         rank = _RANK.get()
         top = fullname.partition(".")[0]
         why = self.LIBRARIES.get(top)
@@ -437,18 +447,45 @@ class OnePerProcess(importlib.abc.MetaPathFinder):
             return None  # (the next finder finds it)
         # the library's real spec, so that code asking whether it is installed
         # (importlib.util.find_spec) is told the truth; importing it is what is refused
+        spec = self._real_spec(fullname, path, target)
+        if spec is not None:
+            spec.loader = _Refused(
+                NeedsProcess(rank, f"imported {top}, {why}: the ranks of one process would share it")
+            )
+        return spec
+
+    def _real_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None) -> ModuleSpec | None:
+        """What the finders after this one find."""
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             spec: ModuleSpec | None = None if finder is self or find is None else find(fullname, path, target)
             if spec is not None:
-                spec.loader = _Refused(
-                    NeedsProcess(rank, f"imported {top}, {why}: the ranks of one process would share it")
-                )
                 return spec
         return None
 
     def __repr__(self) -> str:
         return f"<OnePerProcess {sorted(self.LIBRARIES)}>"
+
+
+class _ThenPerRank(importlib.abc.Loader):
+    """The module's own loader, then its classes' shared state made per rank (``_libstate``)."""
+
+    def __init__(self, loader: importlib.abc.Loader, module: str) -> None:
+        self.loader = loader
+        self.module = module
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        _libstate.after_import(self.module)
+
+    def __getattr__(self, name: str) -> Any:  # (get_source, get_resource_reader, ...: the real loader's)
+        return getattr(self.loader, name)
+
+    def __repr__(self) -> str:
+        return f"<_ThenPerRank {self.module} by {self.loader!r}>"
 
 
 class _Refused(importlib.abc.Loader):
@@ -616,7 +653,20 @@ def _rank_process_changes(key: object) -> list[_patches.Change]:
     patches += RankThreads.wrappers()
     changes: list[_patches.Change] = [_patches.Attr(owner, name, fn) for owner, name, fn in patches]
     changes.append(_patches.Step("sys.meta_path", _insert_finder))
+    for module, (name, _) in _libstate.SHARED_STATES.items():
+        # (those imported now; OnePerProcess puts them in place for those imported later)
+        changes.append(_patches.Step(f"{module}.*.{name}", _per_rank_library_state))
     return changes
+
+
+def _per_rank_library_state() -> Callable[[], str | None]:
+    _libstate.install_imported()
+
+    def undo() -> str | None:
+        _libstate.restore()
+        return None
+
+    return undo
 
 
 def _insert_finder() -> Callable[[], str | None]:
@@ -633,7 +683,8 @@ def _insert_finder() -> Callable[[], str | None]:
 
 RANK_PROCESSES = _patches.PatchSet(
     "rank processes",
-    "a harness rank's os.environ, atexit, logging configuration and threads are its own; calls only a "
+    "a harness rank's os.environ, atexit, logging configuration, threads and accelerate's states are its own; "
+    "calls only a "
     "process can make, and importing a library kept once per process, raise NeedsProcess; time.sleep and "
     "a store's waits let the other ranks run",
     _rank_process_changes,
@@ -660,6 +711,7 @@ RANK_PROCESSES = _patches.PatchSet(
         "threading.Thread.start",
         "concurrent.futures.thread.ThreadPoolExecutor.submit",
         "sys.meta_path",
+        "*._shared_state",  # (_libstate.SHARED_STATES: accelerate's states)
     ],
 )
 

@@ -509,7 +509,7 @@ def _shared_init(rank: int, initialised: list[int]) -> str:
     return (
         f"aiocoll: rank {rank} never initialised torch.distributed, while ranks {initialised} did. If its code "
         "calls init_process_group before it failed, state that a library keeps once per process (a singleton, "
-        "such as accelerate's PartialState, or a module's global) served every rank: the ranks share one "
+        "or a module's global) served every rank: the ranks share one "
         "process, and one rank's init_process_group stood for theirs. Run such code in processes of its own "
         "(torchrun)"
     )

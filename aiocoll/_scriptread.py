@@ -52,7 +52,6 @@ _METHODS: dict[str, str] = {
 }
 # libraries that keep their state once per process (``_procstate.OnePerProcess``'s)
 _LIBRARIES: dict[str, str] = {
-    "accelerate": "imports accelerate (its PartialState is one per process)",
     "lightning": "imports Lightning (rank_zero_only.rank is one per process)",
     "lightning_fabric": "imports Lightning Fabric (rank_zero_only.rank is one per process)",
     "pytorch_lightning": "imports PyTorch Lightning (rank_zero_only.rank is one per process)",

@@ -55,6 +55,7 @@ import aiocoll
 import aiocoll._grouptimeouts
 import aiocoll._harness
 import aiocoll._torch
+from aiocoll import _libstate
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll._harness import Settings
 from aiocoll._procstate import PID_FLOOR, OnePerProcess
@@ -938,7 +939,84 @@ def test_a_library_known_to_keep_state_per_process_needs_processes(
         "share it: the test needs processes of its own"
     )
     assert not any(isinstance(f, OnePerProcess) for f in sys.meta_path)  # removed with the world
-    assert {"accelerate", "lightning"} <= set(OnePerProcess.LIBRARIES)
+    assert "lightning" in OnePerProcess.LIBRARIES
+    assert "accelerate" not in OnePerProcess.LIBRARIES  # (its state is each rank's own: _libstate)
+
+
+BORG = """
+class Borg:  # accelerate's pattern: every instance shares one class-level dict
+    _shared_state = {}
+
+    def __init__(self, **kw):
+        self.__dict__ = self._shared_state
+        self.__dict__.update(kw)
+"""
+
+
+class BorgState(_Case):
+    world = 3
+
+    def test_each_rank_has_its_own(self) -> None:
+        from aiocoll_test_borg import Borg
+        from aiocoll_test_borg_before import Borg as Before
+
+        for cls in (Borg, Before):
+            fresh = dict(cls._shared_state)  # (read before this rank makes one)
+            cls(rank=self.rank)
+            time.sleep(0.05)  # (the other ranks make theirs meanwhile)
+            seen.setdefault("borg", []).append((cls.__module__, self.rank, fresh, cls().rank, cls._shared_state))
+
+
+def test_a_library_s_class_level_shared_state_is_each_rank_s_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("aiocoll_test_borg", "aiocoll_test_borg_before"):
+        (tmp_path / f"{name}.py").write_text(BORG, encoding="utf-8")
+        monkeypatch.setitem(_libstate.SHARED_STATES, name, ("_shared_state", ("Borg",)))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from aiocoll_test_borg_before import Borg as Before  # (imported before the world, by a test file say)
+
+    Before(made="before")
+    with replace_process_harness():
+        result = run_case(BorgState)
+    assert result.wasSuccessful(), problems(result)
+    from aiocoll_test_borg import Borg
+
+    # each rank started from an empty state, as a fresh process does, and kept its own
+    assert sorted(seen["borg"], key=str) == sorted(
+        [(m, r, {}, r, {"rank": r}) for m in ("aiocoll_test_borg", "aiocoll_test_borg_before") for r in range(3)],
+        key=str,
+    )
+    # the process's own state: untouched by the ranks, and a plain dict again after the world
+    assert type(vars(Borg)["_shared_state"]) is dict
+    assert Borg._shared_state == {}
+    assert vars(Before)["_shared_state"] == {"made": "before"}
+    assert _libstate.installed() == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is a pinned test dependency")
+def test_accelerate_s_states_are_each_rank_s_own() -> None:
+    class Accelerate(_Case):
+        world = 2
+
+        def test_accelerator(self) -> None:
+            from accelerate import Accelerator
+            from accelerate.state import AcceleratorState, GradientState, PartialState
+
+            # what torchrun gives each process (OMP_NUM_THREADS: else accelerate sets the
+            # process's torch threads)
+            os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+            os.environ.update(MASTER_ADDR="localhost", MASTER_PORT="29400", OMP_NUM_THREADS="1")
+            acc = Accelerator(cpu=True)
+            got = acc.gather(torch.tensor([float(self.rank)]))
+            states = (PartialState().process_index, AcceleratorState().local_process_index, GradientState().num_steps)
+            seen.setdefault("accelerate", []).append((acc.process_index, acc.num_processes, got.tolist(), states))
+
+    with replace_process_harness():
+        result = run_case(Accelerate)
+    assert result.wasSuccessful(), problems(result)
+    assert sorted(seen["accelerate"]) == [(r, 2, [0.0, 1.0], (r, r, 1)) for r in range(2)]
 
 
 def test_what_needs_processes_runs_in_processes() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import re
 import signal
@@ -390,8 +391,39 @@ def test_a_library_known_to_keep_state_per_process_runs_in_processes(tmp_path: P
     assert "LIGHTNING" not in insisted.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is a pinned test dependency")
+def test_an_accelerate_script_runs_in_one_process_each_rank_with_its_own_state(tmp_path: Path) -> None:
+    name = script(
+        tmp_path,
+        "acc.py",
+        """
+        import torch
+        from accelerate import Accelerator
+        from accelerate.state import PartialState
+        from accelerate.utils import set_seed
+
+        acc = Accelerator(cpu=True)  # (else accelerate >= 1.11 runs one process's worth: no accelerator)
+        set_seed(acc.process_index)  # (each rank its own draws, as in its own process)
+        got = acc.gather(torch.rand(1))
+        same = acc.reduce(torch.tensor([float(PartialState().process_index)]), reduction="sum")
+        kind = acc.distributed_type.value
+        print(f"SCRIPT {acc.process_index} {acc.num_processes} {kind} {got.tolist()} {same.item()}")
+        """,
+    )
+    proc = run(tmp_path, "--nproc-per-node", "3", name)
+    assert proc.returncode == 0, proc.stderr
+    assert "runs in processes" not in proc.stderr  # (in this process: no reason to leave it)
+    lines = sorted(line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("SCRIPT"))
+    import torch
+
+    draws = [torch.rand(1, generator=torch.Generator().manual_seed(r)).item() for r in range(3)]
+    assert [line.split(" [")[0] for line in lines] == [f"{r} 3 MULTI_CPU" for r in range(3)]
+    assert {line.split(" [")[1] for line in lines} == {f"{', '.join(map(str, draws))}] 3.0"}
+
+
 def test_a_rank_a_process_wide_singleton_initialised_for_is_told_so(tmp_path: Path) -> None:
-    # the pattern of accelerate's PartialState: state kept once per process, which in
+    # the pattern of accelerate's PartialState (made per rank, _libstate; others are not
+    # known): state kept once per process, which in
     # processes makes each rank initialise torch.distributed once, and in one process once
     script(
         tmp_path,
@@ -419,7 +451,7 @@ def test_a_rank_a_process_wide_singleton_initialised_for_is_told_so(tmp_path: Pa
     assert proc.returncode == 1
     assert "ValueError: Default process group has not been initialized" in proc.stderr
     assert "aiocoll: rank 1 never initialised torch.distributed, while ranks [0] did" in proc.stderr
-    assert "such as accelerate's PartialState" in proc.stderr
+    assert "state that a library keeps once per process (a singleton, or a module's global)" in proc.stderr
 
 
 def test_restarts_and_modules(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ not depend on the run).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -337,6 +338,46 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
         pytest.skip(f"torchrun's own processes died by a signal twice: {ref.stderr.strip().splitlines()[-3:]}")
     assert ref.returncode == 0, f"torchrun: {ref.stderr}"
     assert printed(ours) == printed(ref)  # the same losses and weights, to the printed digit
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is a pinned test dependency")
+@pytest.mark.parametrize("name", ["test_sync", "test_script"])
+def test_accelerate_s_own_distributed_test_scripts_give_torchrun_s_results(tmp_path: Path, name: str) -> None:
+    """accelerate's scripts (its ``accelerate launch --cpu`` sets ACCELERATE_USE_CPU), each rank's state its own."""
+    spec = importlib.util.find_spec(f"accelerate.test_utils.scripts.{name}")
+    assert spec is not None
+    assert spec.origin is not None
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    outputs = {}
+    for launcher, command in LAUNCHERS.items():
+        standalone = ["--standalone"] if launcher == "torchrun" else []
+        logs = tmp_path / launcher
+        # each rank's output to a file of its own (--redirects 3): on one console the two
+        # processes' writes can split each other's lines
+        redirected = ["--log-dir", str(logs), "--redirects", "3"]
+        proc = subprocess.run(
+            [*command, *standalone, *redirected, "--nproc-per-node", "2", spec.origin],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+        if launcher == "aiocoll":
+            assert "runs in processes" not in proc.stderr  # (in one process, each rank with its own state)
+        outputs[launcher] = [
+            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]
+            for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))
+        ]
+    assert len(outputs["torchrun"]) == 2
+    assert all(outputs["torchrun"])  # (each rank printed)
+    assert outputs["aiocoll"] == outputs["torchrun"]  # each rank's lines, in its order
+    if name == "test_script":  # (distributed on both, each rank its own index)
+        for rank, lines in enumerate(outputs["aiocoll"]):
+            assert "Distributed environment: DistributedType.MULTI_CPU  Backend: gloo" in lines
+            assert f"Process index: {rank}" in lines
 
 
 DEVICES_SCRIPT = r"""
