@@ -367,7 +367,11 @@ def test_a_need_met_at_run_time_stops_the_run_and_starts_it_again_in_processes(t
 
 def test_a_library_known_to_keep_state_per_process_runs_in_processes(tmp_path: Path) -> None:
     (tmp_path / "lightning").mkdir()  # (a stand-in: what is read is the name)
-    (tmp_path / "lightning" / "__init__.py").write_text("import os\nprint('LIGHTNING', os.getpid())\n")
+    # (one write: the ranks' processes are unbuffered, as torchrun's "python -u" are, and a
+    # print's pieces from two processes can interleave: 'LIGHTNINGLIGHTNING 25142' was seen)
+    (tmp_path / "lightning" / "__init__.py").write_text(
+        "import os, sys\nsys.stdout.write(f'LIGHTNING {os.getpid()}\\n')\n"
+    )
     name = script(
         tmp_path,
         "fabric.py",

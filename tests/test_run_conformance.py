@@ -340,24 +340,68 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
     assert printed(ours) == printed(ref)  # the same losses and weights, to the printed digit
 
 
+ACCELERATE_TRAINING = r"""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+accelerator = Accelerator()
+set_seed(0)
+data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt, loader = accelerator.prepare(model, opt, DataLoader(data, batch_size=8, shuffle=True))
+for epoch in range(2):
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    losses = accelerator.gather(loss.detach()[None])
+    accelerator.print(f"epoch {epoch}: losses {[round(v, 6) for v in losses.tolist()]}")
+weight = accelerator.unwrap_model(model)[0].weight
+rank, size = accelerator.process_index, accelerator.num_processes
+print(f"rank {rank} of {size}: {len(loader)} batches, weight sum {weight.sum().item():.6f}")
+accelerator.wait_for_everyone()
+if accelerator.is_main_process:
+    accelerator.save(accelerator.get_state_dict(model), "model.pt")
+    print(f"saved {sorted(torch.load('model.pt'))}")
+"""
+
+
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is a pinned test dependency")
-@pytest.mark.parametrize("name", ["test_sync", "test_script"])
-def test_accelerate_s_own_distributed_test_scripts_give_torchrun_s_results(tmp_path: Path, name: str) -> None:
-    """accelerate's scripts (its ``accelerate launch --cpu`` sets ACCELERATE_USE_CPU), each rank's state its own."""
-    spec = importlib.util.find_spec(f"accelerate.test_utils.scripts.{name}")
-    assert spec is not None
-    assert spec.origin is not None
+@pytest.mark.parametrize("name", ["test_ops", "test_sync", "test_script", "training"])
+def test_accelerate_scripts_give_torchrun_s_results(tmp_path: Path, name: str) -> None:
+    """accelerate's own test scripts and a training script, each rank's state its own.
+
+    ``ACCELERATE_USE_CPU`` is what ``accelerate launch --cpu`` sets: on a machine without
+    an accelerator, accelerate >= 1.15 runs distributed on the CPU only when told to (its
+    ``test_ops.py``, which makes a bare ``PartialState()``, runs one process's worth on
+    each rank under either launcher).
+    """
+    if name == "training":
+        path = tmp_path / "train.py"
+        path.write_text(ACCELERATE_TRAINING, encoding="utf-8")
+        origin = str(path)
+    else:
+        spec = importlib.util.find_spec(f"accelerate.test_utils.scripts.{name}")
+        assert spec is not None
+        assert spec.origin is not None
+        origin = spec.origin
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     outputs = {}
     for launcher, command in LAUNCHERS.items():
         standalone = ["--standalone"] if launcher == "torchrun" else []
         logs = tmp_path / launcher
+        (tmp_path / f"{launcher}-cwd").mkdir()  # (where the training script saves its model)
         # each rank's output to a file of its own (--redirects 3): on one console the two
         # processes' writes can split each other's lines
         redirected = ["--log-dir", str(logs), "--redirects", "3"]
         proc = subprocess.run(
-            [*command, *standalone, *redirected, "--nproc-per-node", "2", spec.origin],
-            cwd=tmp_path,
+            [*command, *standalone, *redirected, "--nproc-per-node", "2", origin],
+            cwd=logs.parent / f"{launcher}-cwd",
             env=env,
             capture_output=True,
             text=True,
@@ -378,6 +422,16 @@ def test_accelerate_s_own_distributed_test_scripts_give_torchrun_s_results(tmp_p
         for rank, lines in enumerate(outputs["aiocoll"]):
             assert "Distributed environment: DistributedType.MULTI_CPU  Backend: gloo" in lines
             assert f"Process index: {rank}" in lines
+    if name == "training":  # 64 samples, 8 a batch: 4 batches a rank; DDP kept their weights equal
+        ranks = [[line for line in lines if line.startswith("rank ")] for lines in outputs["aiocoll"]]
+        assert [[line.split(", weight sum ")[0] for line in lines] for lines in ranks] == [
+            ["rank 0 of 2: 4 batches"],
+            ["rank 1 of 2: 4 batches"],
+        ]
+        assert len({lines[0].split(", weight sum ")[1] for lines in ranks}) == 1
+        assert outputs["aiocoll"][0][-1] == "saved ['0.bias', '0.weight', '2.bias', '2.weight']"
+        epochs = [[line for line in lines if line.startswith("epoch ")] for lines in outputs["aiocoll"]]
+        assert [len(lines) for lines in epochs] == [2, 0]  # (accelerator.print: the main process only)
 
 
 DEVICES_SCRIPT = r"""
