@@ -11,8 +11,8 @@ its start as in a fresh process, and the threads it starts share it (``carried``
 other thread gets the process's.
 
 Only the classes listed in ``SHARED_STATES`` get it. They get it while harness worlds
-run, on a module imported before (a test file's import, say) or during them
-(``after_import``), and give the process's dict back after (``restore``).
+run, on a module imported before (a test file's import, say: ``install_imported``) or
+during them (``after_import``), and give the process's dict back after (``restore``).
 
 >>> class Borg:
 ...     _shared_state: dict[str, int] = {}
@@ -65,7 +65,7 @@ def in_forked_child() -> None:
     """A process forked from a rank's thread (a DataLoader worker) has the rank's state as its process's own."""
     own = _OWN.get()
     if own is not None:
-        for attr in _installed:
+        for attr in installed():
             attr.process = own[attr] if attr in own else type(attr.process)()
     unbind()
 
@@ -108,12 +108,13 @@ class RankShared:
         return f"<RankShared {self.owner.__qualname__}.{self.name}: {whose} here>"
 
 
-_installed: list[RankShared] = []
+# by module: the descriptors in place
+_installed: dict[str, list[RankShared]] = {}
 
 
 def installed() -> list[RankShared]:
     """The descriptors in place now."""
-    return list(_installed)
+    return [attr for attrs in _installed.values() for attr in attrs]
 
 
 def after_import(module: str) -> None:
@@ -122,20 +123,19 @@ def after_import(module: str) -> None:
     mod = sys.modules[module]
     for cls_name in classes:
         cls = getattr(mod, cls_name, None)
-        if isinstance(cls, type) and not isinstance(vars(cls).get(name), RankShared) and name in vars(cls):
+        if isinstance(cls, type) and name in vars(cls) and not isinstance(vars(cls)[name], RankShared):
             attr = RankShared(cls, name)
             attr.install()
-            _installed.append(attr)
+            _installed.setdefault(module, []).append(attr)
 
 
-def install_imported() -> None:
-    """While worlds start: the listed modules already imported get their descriptors."""
-    for module in SHARED_STATES:
-        if module in sys.modules:
-            after_import(module)
+def install_imported(module: str) -> None:
+    """As worlds start: ``module``, if already imported, gets its descriptors."""
+    if module in sys.modules:
+        after_import(module)
 
 
-def restore() -> None:
-    """Once no world runs: every class gets the process's value back."""
-    while _installed:
-        _installed.pop().uninstall()
+def restore(module: str) -> None:
+    """Once no world runs: ``module``'s classes get the process's values back."""
+    for attr in reversed(_installed.pop(module, [])):
+        attr.uninstall()

@@ -654,16 +654,16 @@ def _rank_process_changes(key: object) -> list[_patches.Change]:
     changes: list[_patches.Change] = [_patches.Attr(owner, name, fn) for owner, name, fn in patches]
     changes.append(_patches.Step("sys.meta_path", _insert_finder))
     for module, (name, _) in _libstate.SHARED_STATES.items():
-        # (those imported now; OnePerProcess puts them in place for those imported later)
-        changes.append(_patches.Step(f"{module}.*.{name}", _per_rank_library_state))
+        # (if imported now; OnePerProcess puts them in place when imported later)
+        changes.append(_patches.Step(f"{module}.*.{name}", functools.partial(_per_rank_library_state, module)))
     return changes
 
 
-def _per_rank_library_state() -> Callable[[], str | None]:
-    _libstate.install_imported()
+def _per_rank_library_state(module: str) -> Callable[[], str | None]:
+    _libstate.install_imported(module)
 
     def undo() -> str | None:
-        _libstate.restore()
+        _libstate.restore(module)
         return None
 
     return undo
