@@ -25,9 +25,9 @@ generators are its own already (sync ranks take turns, ``_locals``). This module
   ``%(process)d``) get the real one.
 - ``RankLogging`` (``_logstate``): each rank's ``logging`` configuration, handlers,
   levels and all; what it added is flushed and closed when the rank ends.
-- ``_libstate``: a library's state kept in a class-level dict (accelerate's
-  ``PartialState``, ``AcceleratorState``, ``GradientState``) is each rank's own, empty
-  at its start as in a fresh process.
+- ``_libstate``: libraries' state kept once per process (accelerate's ``PartialState``,
+  ``AcceleratorState``, ``GradientState``; Lightning's ``rank_zero_only.rank``) is each
+  rank's own, as in a fresh process.
 - ``RankExit``: what a rank's test code registers with ``atexit`` runs when the rank
   ends, as its process's exit would run it, not when the test run ends.
 - ``Cooperative``: a rank that sleeps (``time.sleep``) or waits for a store's key
@@ -417,25 +417,23 @@ def own_code(filename: str) -> bool:
 
 
 class OnePerProcess(importlib.abc.MetaPathFinder):
-    """Refuses, in a bound rank thread, to import a library known to keep state once per process.
+    """The import of a library that keeps state once per process: made per rank, or refused in a rank.
 
     Such state would serve every rank of the process (``sys.modules`` is one), so a run
-    would differ from torchrun's without a word: Lightning's ``rank_zero_only.rank`` is
-    the last rank's for all of them, so rank 0's rank-zero-only logging never runs.
-    Only libraries measured here are listed (``LIBRARIES``); one imported before the
-    ranks start (by a test file, say) is not seen.
+    would differ from torchrun's without a word (Lightning's ``rank_zero_only.rank`` would
+    be the last rank's for all, so rank 0's rank-zero-only logging would never run). A
+    module ``_libstate`` watches gets its stand-ins once imported, in any thread; a
+    library listed in ``LIBRARIES`` (none today) is refused in a rank. Only libraries
+    measured here are either; one refused but imported before the ranks start (by a test
+    file, say) is not seen.
     """
 
-    LIBRARIES: ClassVar[dict[str, str]] = {
-        "lightning": "which keeps the process's rank in rank_zero_only.rank",
-        "lightning_fabric": "which keeps the process's rank in rank_zero_only.rank",
-        "pytorch_lightning": "which keeps the process's rank in rank_zero_only.rank",
-    }
+    LIBRARIES: ClassVar[dict[str, str]] = {}  # (none today: accelerate's and Lightning's are per rank, _libstate)
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname in _libstate.SHARED_STATES:  # (imported in any thread: the ranks' state is their own)
+        if _libstate.watched(fullname):  # (imported in any thread: the ranks' state is their own)
             spec = self._real_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _ThenPerRank(spec.loader, fullname)
@@ -653,9 +651,9 @@ def _rank_process_changes(key: object) -> list[_patches.Change]:
     patches += RankThreads.wrappers()
     changes: list[_patches.Change] = [_patches.Attr(owner, name, fn) for owner, name, fn in patches]
     changes.append(_patches.Step("sys.meta_path", _insert_finder))
-    for module, (name, _) in _libstate.SHARED_STATES.items():
+    for module in [*_libstate.SHARED_STATES, *_libstate.RANK_ATTRIBUTES]:
         # (if imported now; OnePerProcess puts them in place when imported later)
-        changes.append(_patches.Step(f"{module}.*.{name}", functools.partial(_per_rank_library_state, module)))
+        changes.append(_patches.Step(_libstate.target(module), functools.partial(_per_rank_library_state, module)))
     return changes
 
 
@@ -683,7 +681,8 @@ def _insert_finder() -> Callable[[], str | None]:
 
 RANK_PROCESSES = _patches.PatchSet(
     "rank processes",
-    "a harness rank's os.environ, atexit, logging configuration, threads and accelerate's states are its own; "
+    "a harness rank's os.environ, atexit, logging configuration, threads, accelerate's states and Lightning's "
+    "rank are its own; "
     "calls only a "
     "process can make, and importing a library kept once per process, raise NeedsProcess; time.sleep and "
     "a store's waits let the other ranks run",
@@ -712,6 +711,7 @@ RANK_PROCESSES = _patches.PatchSet(
         "concurrent.futures.thread.ThreadPoolExecutor.submit",
         "sys.meta_path",
         "*._shared_state",  # (_libstate.SHARED_STATES: accelerate's states)
+        "*.rank_zero_only",  # (_libstate.RANK_ATTRIBUTES: Lightning's rank)
     ],
 )
 

@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
         "--processes",
         action="store_true",
         help="run each rank in a process of its own, as torchrun does (the default for a script one process "
-        "cannot serve: os._exit, signal handlers, RPC, the profiler, Lightning, ...)",
+        "cannot serve: os._exit, signal handlers, RPC, the profiler, ...)",
     )
     where.add_argument(
         "--in-process",

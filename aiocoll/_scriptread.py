@@ -50,12 +50,9 @@ _CALLS: dict[str, str] = {
 _METHODS: dict[str, str] = {
     "_get_ddp_logging_data": "reads DDP's logging data (which describes its process's backend)",
 }
-# libraries that keep their state once per process (``_procstate.OnePerProcess``'s)
-_LIBRARIES: dict[str, str] = {
-    "lightning": "imports Lightning (rank_zero_only.rank is one per process)",
-    "lightning_fabric": "imports Lightning Fabric (rank_zero_only.rank is one per process)",
-    "pytorch_lightning": "imports PyTorch Lightning (rank_zero_only.rank is one per process)",
-}
+# libraries that keep their state once per process (``_procstate.OnePerProcess``'s: none
+# today, accelerate's and Lightning's being each rank's own, ``_libstate``)
+_LIBRARIES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -939,8 +939,8 @@ def test_a_library_known_to_keep_state_per_process_needs_processes(
         "share it: the test needs processes of its own"
     )
     assert not any(isinstance(f, OnePerProcess) for f in sys.meta_path)  # removed with the world
-    assert "lightning" in OnePerProcess.LIBRARIES
-    assert "accelerate" not in OnePerProcess.LIBRARIES  # (its state is each rank's own: _libstate)
+    # (accelerate's and Lightning's state is each rank's own: _libstate)
+    assert not {"accelerate", "lightning", "lightning_fabric", "pytorch_lightning"} & set(OnePerProcess.LIBRARIES)
 
 
 BORG = """
@@ -992,6 +992,53 @@ def test_a_library_s_class_level_shared_state_is_each_rank_s_own(
     assert type(vars(Borg)["_shared_state"]) is dict
     assert Borg._shared_state == {}
     assert vars(Before)["_shared_state"] == {"made": "before"}
+    assert _libstate.installed() == []
+
+
+RANKED = """
+def rank_zero_only(fn):  # Lightning's rank_zero_only: the process's rank, an attribute of the function
+    def wrapped(*args):
+        if not hasattr(rank_zero_only, "rank"):
+            raise RuntimeError("rank_zero_only.rank is not set")
+        return fn(*args) if rank_zero_only.rank == 0 else None
+    return wrapped
+
+@rank_zero_only
+def hello(rank):
+    return f"hello from {rank}"
+"""
+
+
+class RankedState(_Case):
+    world = 3
+
+    def test_each_rank_has_its_own(self) -> None:
+        import aiocoll_test_ranked as m
+
+        os.environ["RANK"] = str(self.rank)  # (as torchrun sets it: what a rank that set none reads)
+        before = getattr(m.rank_zero_only, "rank", "unset")
+        m.rank_zero_only.rank = self.rank
+        time.sleep(0.05)  # (the other ranks set theirs meanwhile)
+        seen.setdefault("ranked", []).append((self.rank, before, m.rank_zero_only.rank, m.hello(self.rank)))
+
+
+def test_a_library_s_rank_kept_on_a_function_is_each_rank_s_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "aiocoll_test_ranked.py").write_text(RANKED, encoding="utf-8")
+    monkeypatch.setitem(_libstate.RANK_ATTRIBUTES, "aiocoll_test_ranked", ("rank_zero_only", ("rank",)))
+    monkeypatch.delitem(sys.modules, "aiocoll_test_ranked", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with replace_process_harness():
+        result = run_case(RankedState)
+    assert result.wasSuccessful(), problems(result)
+    # the first rank found none set, as a fresh process does; the others, once one had set it,
+    # what Lightning's import sets in each process (the rank from the environment)
+    assert sorted(seen["ranked"]) == [(0, "unset", 0, "hello from 0"), (1, 1, 1, None), (2, 2, 2, None)]
+    import aiocoll_test_ranked as m
+
+    assert type(m.rank_zero_only).__name__ == "function"  # (the process's own again)
+    assert not hasattr(m.rank_zero_only, "rank")  # (the ranks' values were theirs)
     assert _libstate.installed() == []
 
 

@@ -365,34 +365,33 @@ def test_a_need_met_at_run_time_stops_the_run_and_starts_it_again_in_processes(t
     assert proc.stderr.count("needs processes of its own") == 1
 
 
-def test_a_library_known_to_keep_state_per_process_runs_in_processes(tmp_path: Path) -> None:
-    (tmp_path / "lightning").mkdir()  # (a stand-in: what is read is the name)
-    # (one write: the ranks' processes are unbuffered, as torchrun's "python -u" are, and a
-    # print's pieces from two processes can interleave: 'LIGHTNINGLIGHTNING 25142' was seen)
-    (tmp_path / "lightning" / "__init__.py").write_text(
-        "import os, sys\nsys.stdout.write(f'LIGHTNING {os.getpid()}\\n')\n"
-    )
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is a pinned test dependency")
+def test_a_lightning_fabric_script_runs_in_one_process_each_rank_with_its_own_rank(tmp_path: Path) -> None:
     name = script(
         tmp_path,
         "fabric.py",
         """
+        import sys
         import torch
-        from lightning import Fabric
+        from lightning.fabric import Fabric
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        @rank_zero_only
+        def announce():
+            sys.stdout.write("SCRIPT rank-zero-only\\n")
+
+        fabric = Fabric(accelerator="cpu", devices=3, strategy="ddp")
+        fabric.launch()
+        total = fabric.all_reduce(torch.tensor([float(fabric.global_rank)]), reduce_op="sum")
+        announce()
+        sys.stdout.write(f"SCRIPT {fabric.global_rank} {fabric.world_size} {rank_zero_only.rank} {total.item()}\\n")
         """,
     )
-    proc = run(tmp_path, "--nproc-per-node", "2", name)
-    assert proc.returncode == 1, proc.stderr  # (the stand-in has no Fabric: each process fails as under torchrun)
-    assert f"it imports Lightning (rank_zero_only.rank is one per process) at {tmp_path / name}:3" in proc.stderr
-    assert len({line for line in proc.stdout.splitlines() if line.startswith("LIGHTNING")}) == 2
-    assert proc.stderr.count("ImportError: cannot import name 'Fabric' from 'lightning'") == 2
-
-    insisted = run(tmp_path, "--nproc-per-node", "2", "--in-process", name)
-    assert insisted.returncode == 1
-    assert (
-        f"aiocoll run: {name} needs processes of its own (rank 0 imported lightning, which keeps the process's "
-        f"rank in rank_zero_only.rank: the ranks of one process would share it at {name}:3)"
-    ) in insisted.stderr
-    assert "LIGHTNING" not in insisted.stdout
+    proc = run(tmp_path, "--nproc-per-node", "3", name)
+    assert proc.returncode == 0, proc.stderr
+    assert "runs in processes" not in proc.stderr  # (in this process: no reason to leave it)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT"))
+    assert lines == ["SCRIPT 0 3 0 3.0", "SCRIPT 1 3 1 3.0", "SCRIPT 2 3 2 3.0", "SCRIPT rank-zero-only"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is a pinned test dependency")

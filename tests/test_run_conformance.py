@@ -434,6 +434,80 @@ def test_accelerate_scripts_give_torchrun_s_results(tmp_path: Path, name: str) -
         assert [len(lines) for lines in epochs] == [2, 0]  # (accelerator.print: the main process only)
 
 
+FABRIC_TRAINING = r"""
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.fabric import Fabric
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+fabric.seed_everything(0)
+data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+model, opt = fabric.setup(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1)))(
+    nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+))
+loader = fabric.setup_dataloaders(DataLoader(data, batch_size=8, shuffle=True))
+for epoch in range(2):
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    losses = fabric.all_reduce(loss.detach(), reduce_op="mean")
+    fabric.print(f"epoch {epoch}: mean loss {losses.item():.6f}")
+
+
+@rank_zero_only
+def announce(message):
+    sys.stdout.write(f"rank-zero-only: {message}\n")
+
+
+announce(f"seen by rank {fabric.global_rank}")
+weight = model.module[0].weight
+size = fabric.world_size
+sys.stdout.write(f"rank {fabric.global_rank} of {size}: {len(loader)} batches, weight sum {weight.sum().item():.6f}\n")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is a pinned test dependency")
+def test_a_lightning_fabric_script_gives_torchrun_s_results(tmp_path: Path) -> None:
+    """Fabric's DDP on the CPU, in one process: each rank's rank_zero_only.rank its own."""
+    path = tmp_path / "fabric_train.py"
+    path.write_text(FABRIC_TRAINING, encoding="utf-8")
+    outputs = {}
+    for launcher, command in LAUNCHERS.items():
+        standalone = ["--standalone"] if launcher == "torchrun" else []
+        logs = tmp_path / launcher
+        redirected = ["--log-dir", str(logs), "--redirects", "3"]  # (each rank's lines in order)
+        proc = subprocess.run(
+            [*command, *standalone, *redirected, "--nproc-per-node", "2", str(path)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+        if launcher == "aiocoll":
+            assert "runs in processes" not in proc.stderr  # (in one process)
+        outputs[launcher] = [
+            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]  # (torch 2.10's gloo)
+            for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))
+        ]
+    assert outputs["aiocoll"] == outputs["torchrun"]
+    first, second = outputs["aiocoll"]
+    assert [line for line in first if line.startswith("rank")] == [
+        "rank-zero-only: seen by rank 0",
+        first[-1],
+    ]
+    assert first[-1].startswith("rank 0 of 2: 4 batches, weight sum ")
+    assert second == [first[-1].replace("rank 0", "rank 1")]  # (DDP kept the weights equal)
+    assert len([line for line in first if line.startswith("epoch ")]) == 2
+
+
 DEVICES_SCRIPT = r"""
 import json, os
 import torch
