@@ -45,6 +45,12 @@ _CALLS: dict[str, str] = {
     "torch.distributed.rpc.init_rpc": "starts an RPC agent (torch.distributed.rpc.init_rpc)",
     "torch.profiler.profile": "starts torch's profiler (one per process)",
     "torch.autograd.profiler.profile": "starts torch's profiler (one per process)",
+    # (its DDP strategy reads DDP's logging data as fit() ends: known only then, after the
+    # whole training, which would then run again in processes)
+    **dict.fromkeys(
+        ("lightning.Trainer", "lightning.pytorch.Trainer", "pytorch_lightning.Trainer"),
+        "trains with Lightning's Trainer (whose DDP reads DDP's logging data as fit() ends)",
+    ),
 }
 # methods, whatever object they are called on
 _METHODS: dict[str, str] = {

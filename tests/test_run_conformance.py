@@ -508,6 +508,74 @@ def test_a_lightning_fabric_script_gives_torchrun_s_results(tmp_path: Path) -> N
     assert len([line for line in first if line.startswith("epoch ")]) == 2
 
 
+TRAINER = r"""
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightning as L
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, index):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+L.seed_everything(0)
+data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+model = Model()
+trainer.fit(model, DataLoader(data, batch_size=8))
+weight, loss = model.net[0].weight.sum().item(), trainer.callback_metrics["loss"].item()
+sys.stdout.write(f"rank {trainer.global_rank}: loss {loss:.6f} weight {weight:.6f}\n")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is a pinned test dependency")
+def test_a_lightning_trainer_script_starts_in_processes_and_gives_torchrun_s_results(tmp_path: Path) -> None:
+    """The Trainer's DDP reads DDP's logging data as fit() ends: read before the run, never a second training."""
+    path = tmp_path / "trainer.py"
+    path.write_text(TRAINER, encoding="utf-8")
+    outputs, stderr = {}, {}
+    for launcher, command in LAUNCHERS.items():
+        standalone = ["--standalone"] if launcher == "torchrun" else []
+        logs = tmp_path / launcher
+        proc = subprocess.run(
+            [*command, *standalone, "--log-dir", str(logs), "--redirects", "3", "--nproc-per-node", "2", str(path)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+        stderr[launcher] = proc.stderr
+        outputs[launcher] = [
+            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]  # (torch 2.10's gloo)
+            for path in sorted(logs.glob("*/attempt_*/*/stdout.log"))
+        ]
+    assert outputs["aiocoll"] == outputs["torchrun"]
+    assert [len(lines) for lines in outputs["aiocoll"]] == [1, 1]
+    assert (
+        f"runs in processes, one per rank, as under torchrun: it trains with Lightning's Trainer (whose DDP reads "
+        f"DDP's logging data as fit() ends) at {path}:26"
+    ) in stderr["aiocoll"]
+    assert "every rank was stopped" not in stderr["aiocoll"]  # (started there: trained once)
+
+
 DEVICES_SCRIPT = r"""
 import json, os
 import torch

@@ -28,6 +28,9 @@ def write(path: Path, body: str) -> str:
         ("from torch.distributed import rpc\nrpc.init_rpc('w')\n", "starts an RPC agent", 2),
         ("import torch\nwith torch.profiler.profile() as p:\n    pass\n", "starts torch's profiler", 2),
         ("model._get_ddp_logging_data()\n", "reads DDP's logging data", 1),
+        ("import lightning as L\nt = L.Trainer(devices=2)\n", "trains with Lightning's Trainer", 2),
+        ("from pytorch_lightning import Trainer\n\nTrainer().fit(m)\n", "trains with Lightning's Trainer", 3),
+        ("import lightning.pytorch as pl\npl.Trainer()\n", "trains with Lightning's Trainer", 2),
         # the first in the file, however deep
         ("import os\nif True:\n    print(os.abort())\nos._exit(0)\n", "ends its process (os.abort)", 3),
     ],
@@ -50,7 +53,7 @@ def test_what_only_a_process_can_do_is_read_with_its_line(tmp_path: Path, body: 
         "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
         "getpid()\n",  # a name no import bound: not os's
         "from accelerate import Accelerator\n",  # its states are each rank's own (_libstate)
-        "from pytorch_lightning import Trainer\n",  # and so is Lightning's rank
+        "from lightning.fabric import Fabric\nFabric()\n",  # and so is Lightning's rank
         "def kill(): pass\nimport signal\n",
         "this is not python (\n",  # python reports it when the script runs
     ],
