@@ -168,6 +168,8 @@ class RankAttrs:
         return self.__wrapped__(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # (what is not found on the stand-in itself)
+        if name in RankAttrs.__slots__:  # (a stand-in being made, not yet filled: never the function's)
+            raise AttributeError(name)
         own = _OWN.get()
         if own is None or name not in self._attrs:
             return getattr(self.__wrapped__, name)
@@ -196,6 +198,15 @@ class RankAttrs:
             raise AttributeError(name)
         del mine[name]
 
+    def __copy__(self) -> RankAttrs:  # (one, as a function is: copying a function gives itself)
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RankAttrs:
+        return self
+
+    def __reduce__(self) -> tuple[Callable[[str, str], Any], tuple[str, str]]:
+        return _module_attribute, (self._module.__name__, self._name)  # (by name, as a function pickles)
+
     def install(self) -> None:
         setattr(self._module, self._name, self)
 
@@ -210,6 +221,10 @@ class RankAttrs:
     def __repr__(self) -> str:
         whose = "the process's" if _OWN.get() is None else "a rank's"
         return f"<RankAttrs {self._module.__name__}.{self._name} {list(self._attrs)}: {whose} here>"
+
+
+def _module_attribute(module: str, name: str) -> Any:
+    return getattr(sys.modules[module], name)
 
 
 def _rank_from_environ() -> int:
