@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -340,6 +341,47 @@ def test_training_scripts_give_torchrun_s_results(tmp_path: Path, path: Path) ->
     assert printed(ours) == printed(ref)  # the same losses and weights, to the printed digit
 
 
+def _per_rank(
+    launcher: str, script: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> tuple[str, list[list[str]]]:
+    """Run ``script`` on 2 ranks under ``launcher``: its stderr and each rank's stdout lines, in order.
+
+    Each rank's output goes to a file of its own (``--redirects 3``): on one console two
+    processes' writes can split each other's lines. torch 2.10's gloo aborts a torchrun
+    worker at exit now and then (``exitcode: -6``, seen here once in 4 runs of a Fabric
+    script under load): torchrun's run is then taken again, and if it dies by a signal
+    twice there is nothing to compare with (aiocoll's own run, made and checked first by
+    the callers, stands).
+    """
+    for attempt in range(2):
+        logs, cwd = tmp_path / f"{launcher}{attempt}", tmp_path / f"{launcher}{attempt}-cwd"
+        cwd.mkdir()  # (where a script saves what it saves)
+        standalone = ["--standalone"] if launcher == "torchrun" else []
+        redirected = ["--log-dir", str(logs), "--redirects", "3"]
+        proc = subprocess.run(
+            [*LAUNCHERS[launcher], *standalone, *redirected, "--nproc-per-node", "2", script],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        # (its root cause, not a rank it stopped after it: a signal, not an error of the script's)
+        root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
+        died = proc.returncode != 0 and root is not None and int(root.group(1)) < 0
+        if launcher == "aiocoll" or not died:
+            break
+    else:
+        pytest.skip(f"torchrun's own processes died by a signal twice: {proc.stderr.strip().splitlines()[-3:]}")
+    assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+    outputs = [
+        [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]  # (torch 2.10's gloo)
+        for path in sorted(logs.glob("*/attempt_*/*/stdout.log"))
+    ]
+    return proc.stderr, outputs
+
+
 ACCELERATE_TRAINING = r"""
 import torch
 from torch import nn
@@ -392,29 +434,10 @@ def test_accelerate_scripts_give_torchrun_s_results(tmp_path: Path, name: str) -
         origin = spec.origin
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     outputs = {}
-    for launcher, command in LAUNCHERS.items():
-        standalone = ["--standalone"] if launcher == "torchrun" else []
-        logs = tmp_path / launcher
-        (tmp_path / f"{launcher}-cwd").mkdir()  # (where the training script saves its model)
-        # each rank's output to a file of its own (--redirects 3): on one console the two
-        # processes' writes can split each other's lines
-        redirected = ["--log-dir", str(logs), "--redirects", "3"]
-        proc = subprocess.run(
-            [*command, *standalone, *redirected, "--nproc-per-node", "2", origin],
-            cwd=logs.parent / f"{launcher}-cwd",
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+    for launcher in ("aiocoll", "torchrun"):
+        stderr, outputs[launcher] = _per_rank(launcher, origin, tmp_path, env)
         if launcher == "aiocoll":
-            assert "runs in processes" not in proc.stderr  # (in one process, each rank with its own state)
-        outputs[launcher] = [
-            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]
-            for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))
-        ]
+            assert "runs in processes" not in stderr  # (in one process, each rank with its own state)
     assert len(outputs["torchrun"]) == 2
     assert all(outputs["torchrun"])  # (each rank printed)
     assert outputs["aiocoll"] == outputs["torchrun"]  # each rank's lines, in its order
@@ -478,25 +501,10 @@ def test_a_lightning_fabric_script_gives_torchrun_s_results(tmp_path: Path) -> N
     path = tmp_path / "fabric_train.py"
     path.write_text(FABRIC_TRAINING, encoding="utf-8")
     outputs = {}
-    for launcher, command in LAUNCHERS.items():
-        standalone = ["--standalone"] if launcher == "torchrun" else []
-        logs = tmp_path / launcher
-        redirected = ["--log-dir", str(logs), "--redirects", "3"]  # (each rank's lines in order)
-        proc = subprocess.run(
-            [*command, *standalone, *redirected, "--nproc-per-node", "2", str(path)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
+    for launcher in ("aiocoll", "torchrun"):
+        stderr, outputs[launcher] = _per_rank(launcher, str(path), tmp_path)
         if launcher == "aiocoll":
-            assert "runs in processes" not in proc.stderr  # (in one process)
-        outputs[launcher] = [
-            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]  # (torch 2.10's gloo)
-            for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))
-        ]
+            assert "runs in processes" not in stderr  # (in one process)
     assert outputs["aiocoll"] == outputs["torchrun"]
     first, second = outputs["aiocoll"]
     assert [line for line in first if line.startswith("rank")] == [
@@ -550,23 +558,8 @@ def test_a_lightning_trainer_script_starts_in_processes_and_gives_torchrun_s_res
     path = tmp_path / "trainer.py"
     path.write_text(TRAINER, encoding="utf-8")
     outputs, stderr = {}, {}
-    for launcher, command in LAUNCHERS.items():
-        standalone = ["--standalone"] if launcher == "torchrun" else []
-        logs = tmp_path / launcher
-        proc = subprocess.run(
-            [*command, *standalone, "--log-dir", str(logs), "--redirects", "3", "--nproc-per-node", "2", str(path)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert proc.returncode == 0, f"{launcher}: {proc.stderr[-3000:]}"
-        stderr[launcher] = proc.stderr
-        outputs[launcher] = [
-            [line for line in path.read_text().splitlines() if not line.startswith("[Gloo]")]  # (torch 2.10's gloo)
-            for path in sorted(logs.glob("*/attempt_*/*/stdout.log"))
-        ]
+    for launcher in ("aiocoll", "torchrun"):
+        stderr[launcher], outputs[launcher] = _per_rank(launcher, str(path), tmp_path)
     assert outputs["aiocoll"] == outputs["torchrun"]
     assert [len(lines) for lines in outputs["aiocoll"]] == [1, 1]
     assert (
