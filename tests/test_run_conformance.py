@@ -348,8 +348,8 @@ def _per_rank(
 
     Each rank's output goes to a file of its own (``--redirects 3``): on one console two
     processes' writes can split each other's lines. torch 2.10's gloo aborts a torchrun
-    worker at exit now and then (``exitcode: -6``, seen here once in 4 runs of a Fabric
-    script under load): torchrun's run is then taken again, and if it dies by a signal
+    worker at exit now and then (``exitcode: -6``: in 4 of 5 runs of the Fabric script's
+    test with a CI run beside it): torchrun's run is then taken again, and if it dies by a signal
     twice there is nothing to compare with (aiocoll's own run, made and checked first by
     the callers, stands).
     """
