@@ -297,6 +297,10 @@ class CheckedProcessGroup(CommProcessGroup):
 
 def _make_group(opts: DistributedBackendOptions, backend_options: object = None) -> CheckedProcessGroup:
     """The creator torch.distributed calls for backend ``CHECKED`` (extended API): a real group, checked."""
+    global _said
+    if _said is not None:
+        said, _said = _said, None
+        print(said.replace("{pid}", str(os.getpid())), file=sys.stderr)
     name = str(opts.group_id)
     ranks = list(opts.global_ranks_in_group)
     timeout: timedelta = opts.timeout
@@ -361,16 +365,19 @@ CHECKED_INIT = _patches.PatchSet(
 )
 
 _run_timeout: float | None = None
+_said: str | None = None  # printed once, as the process makes its first checked group
 
 
-def install(timeout: float | None) -> None:
+def install(timeout: float | None, *, said: str | None = None) -> None:
     """In a rank's process, before its script runs: the groups it makes are checked ones.
 
     ``timeout``: seconds a collective may wait in a group the script gave no timeout of
-    its own (``aiocoll run --timeout``); None: torch's.
+    its own (``aiocoll run --timeout``); None: torch's. ``said``: what to print on stderr
+    (``{pid}`` in it: the process's) when the process makes its first group, if anything.
     """
-    global _run_timeout
+    global _run_timeout, _said
     _run_timeout = timeout
+    _said = said
     if CHECKED not in dist.Backend.backend_list:
         dist.Backend.register_backend(CHECKED, _make_group, extended_api=True, devices=["cpu", "cuda"])
     if not any(inst.name == CHECKED_INIT.name for inst in _patches.installed()):

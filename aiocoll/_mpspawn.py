@@ -23,15 +23,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from . import _outcome, _patches, _procworld, _rankmain, _runlogs
+from . import _outcome, _patches, _procstate, _procworld, _rankmain, _runlogs
 from ._locals import Seeds
+
+if TYPE_CHECKING:
+    from ._mpprocess import ProcessBatch
 
 __all__ = ["SpawnedContext", "Starter", "spawned_ranks"]
 
@@ -40,12 +44,17 @@ class SpawnedContext:
     """What ``mp.spawn(..., join=False)`` returns here: ``join()`` as torch's ``ProcessContext``'s."""
 
     def __init__(
-        self, world: _procworld.InProcessWorld, failures: list[tuple[int, BaseException]], daemon: bool = False
+        self,
+        world: _procworld.InProcessWorld,
+        failures: list[tuple[int, BaseException]],
+        daemon: bool = False,
+        needs_processes: Callable[[_procstate.NeedsProcess], None] | None = None,
     ) -> None:
         self.daemon = daemon  # as torch's: at exit, daemon processes are stopped, the others waited for
         self.world = world
         self._failures = failures
         self._joined = False
+        self._needs_processes = needs_processes  # told when a rank did what only a process can
 
     @property
     def joined(self) -> bool:
@@ -60,7 +69,9 @@ class SpawnedContext:
         """Whether every rank has ended (``timeout``: seconds to wait; None, until then).
 
         Raises as torch's does when a rank failed: ``ProcessRaisedException`` for an
-        exception, ``ProcessExitedException`` for a non-zero ``sys.exit``.
+        exception, ``ProcessExitedException`` for a non-zero ``sys.exit``; and
+        ``NeedsProcess`` when a rank did what only a process can (the run then starts
+        again in processes, where these ranks are processes).
         """
         if self._joined:
             return True
@@ -68,8 +79,16 @@ class SpawnedContext:
             return False
         end = self.world.end()
         self._joined = True
+        if end.needs_process is not None:
+            if self._needs_processes is not None:
+                self._needs_processes(end.needs_process)
+            raise end.needs_process
         _raise_first_failure(self._failures, end.error, os.getpid())
         return True
+
+    def wait(self) -> None:
+        """Wait for every rank to end (the world stays, for ``join``)."""
+        self.world.wait(None)
 
     def abandon(self, grace: float | None = None) -> None:
         """End the world without waiting for its ranks (those that do not end in ``grace`` seconds are left behind).
@@ -106,22 +125,31 @@ class Starter:
         self.timeout = timeout
         self.deadline = deadline
         self.seeds = Seeds.fresh() if seeds is None else seeds  # each call's ranks: seeds of their own
-        self.contexts: list[SpawnedContext] = []  # every call's, for a report of where its ranks were
+        # every call's (and every batch of multiprocessing.Process ranks'), for a report of where its ranks were
+        self.contexts: list[SpawnedContext | ProcessBatch] = []
+        self.needs: _procstate.NeedsProcess | None = None  # the first refusal a rank of theirs met
+        self.stopped = threading.Event()  # set then: the run stops, to start again in processes
+
+    def needs_processes(self, refusal: _procstate.NeedsProcess) -> None:
+        """A rank started here did what only a process can: the run stops (``stopped``), to start in processes."""
+        self.needs = self.needs or refusal
+        self.stopped.set()
 
     def finish(self) -> None:
-        """The calls with ``join=False`` never joined, as at their parent process's exit.
+        """The ranks never joined, as at their parent process's exit.
 
         multiprocessing's exit waits for non-daemon children; daemon ones are stopped.
+        After a refusal none is waited for: the run starts again in processes.
         """
-        for context in self.contexts:
+        for context in list(self.contexts):
             if not context.joined:
-                if not context.daemon:
-                    context.world.wait(None)
+                if not context.daemon and self.needs is None:
+                    context.wait()
                 context.abandon()
 
-    def running(self) -> list[SpawnedContext]:
-        """The calls whose ranks have not all ended yet."""
-        return [c for c in self.contexts if not c.joined and not c.world.ended]
+    def running(self) -> list[SpawnedContext | ProcessBatch]:
+        """The calls whose ranks have not all ended yet (and have started)."""
+        return [c for c in self.contexts if not c.joined and c.world is not None and not c.world.ended]
 
     def start_processes(
         self,
@@ -148,6 +176,9 @@ class Starter:
                     fn(rank, *args)
             except KeyboardInterrupt:
                 pass  # as torch's child does
+            except _procstate.NeedsProcess as e:
+                self.needs_processes(e)  # (a parent that joins later, or never: the run stops)
+                raise
             except BaseException as e:
                 if isinstance(e, SystemExit) and e.code in (0, None):
                     return  # exit(0): this rank is done, as its process would be
@@ -163,7 +194,7 @@ class Starter:
             seeds=self.seeds.then(f"mp.spawn {len(self.contexts)}"),  # (fresh processes, told apart)
         )
         world.start(rank_main)
-        context = SpawnedContext(world, failures, daemon)
+        context = SpawnedContext(world, failures, daemon, self.needs_processes)
         self.contexts.append(context)
         if not join:
             return context

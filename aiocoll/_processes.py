@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
-from . import _checked, _frdump, _procworld, _rankmain, _runlogs
+from . import _checked, _frdump, _mpprocess, _procworld, _rankmain, _runlogs
 from ._locals import Seeds, numpy_seed
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ def _rank_process(rank: _RankSpec) -> int:
     os.environ.update(rank.env)
     if rank.checks:
         _checked.install(rank.timeout)
+        _mpprocess.checked_children(rank.timeout)  # (and the processes its script starts)
     sys.argv[:] = [rank.script, *rank.args]
     module = types.ModuleType("__main__")
     # as python puts it first: the current directory for -m, else the script's

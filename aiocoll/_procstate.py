@@ -92,7 +92,9 @@ __all__ = [
     "bound_rank",
     "own_code",
     "rank_pid",
+    "reserve_pid",
     "run_exit_handlers",
+    "take_pid",
     "unbind",
 ]
 
@@ -206,6 +208,16 @@ def unbind() -> None:
     for facet in (_RANK, _ENVIRON, _PAUSE, _STEPPED_OUT, _EXITS, _LOGGING, _PID):
         facet.set(None)
     _libstate.unbind()
+
+
+def reserve_pid() -> int:
+    """A process id for a rank not bound yet (a ``multiprocessing.Process``'s ``pid``, known at its start)."""
+    return next(_pids)
+
+
+def take_pid(pid: int) -> None:
+    """In a bound rank: its process id is ``pid`` (from ``reserve_pid``), not the one ``bind`` gave it."""
+    _PID.set(pid)
 
 
 def rank_pid() -> int | None:
@@ -722,9 +734,14 @@ def snapshot_environ() -> dict[str, str]:
 
 
 def restore_environ(saved: dict[str, str]) -> None:
-    """Put the process's environment back as ``saved`` (from the calling thread, outside any rank)."""
-    for key in [k for k in os.environ if k not in saved]:
-        del os.environ[key]
-    for key, value in saved.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+    """Put the process's environment back as ``saved``.
+
+    The real one, whatever thread calls: the parent rank of a nested world (``mp.spawn`` in
+    a rank) ends it, and its own view must not become the world's start.
+    """
+    with _ENVIRON.bound(None):
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, value in saved.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value

@@ -197,25 +197,27 @@ class InProcessWorld:
         self._grace = GRACE if grace is None else grace
         self.interrupted_at: dict[int, RankPlace] = {}  # where each rank was when the wait was interrupted
 
-    def run(self, rank_main: Callable[[int], None]) -> WorldEnd:
+    def run(self, rank_main: Callable[[int], None], until: threading.Event | None = None) -> WorldEnd:
         """Run the world to its end; past ``deadline`` it is cancelled, and what does not end is left behind.
 
-        A rank stuck holding the GIL stops this thread too: then the watchdog ends the
-        process, with every thread's stack (``_watchdog``).
+        ``until``: once it is set, the world is cancelled too (a nested world's rank needs a
+        process: the run starts again in processes). A rank stuck holding the GIL stops
+        this thread too: then the watchdog ends the process, with every thread's stack
+        (``_watchdog``).
         """
         limit = self.deadline + GRACE + _watchdog.MARGIN
         # the world's engine dies by the scope's collection, a few ms, once it is let go
         with _belongings.world_scope(collect=True):
             try:
-                return under_deadline(limit, self.name, lambda: self._run(rank_main))
+                return under_deadline(limit, self.name, lambda: self._run(rank_main, until))
             finally:
                 if self.ended:
                     self._engine = None  # (its statistics were read by then: a report's)
 
-    def _run(self, rank_main: Callable[[int], None]) -> WorldEnd:
+    def _run(self, rank_main: Callable[[int], None], until: threading.Event | None) -> WorldEnd:
         self.start(rank_main)
         try:
-            finished = self.wait(self.deadline)
+            finished = self.wait(self.deadline, until)
         except BaseException:  # ^C: take the ranks down, as far as threads can be
             with contextlib.suppress(Exception):  # (a report's detail: never in the way of ending)
                 self.interrupted_at = self.places()

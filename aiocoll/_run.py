@@ -39,7 +39,18 @@ from typing import Literal, NamedTuple, cast
 
 import torch
 
-from . import _mpspawn, _patches, _processes, _procstate, _procworld, _rankmain, _runlogs, _scriptread, _torch
+from . import (
+    _mpprocess,
+    _mpspawn,
+    _patches,
+    _processes,
+    _procstate,
+    _procworld,
+    _rankmain,
+    _runlogs,
+    _scriptread,
+    _torch,
+)
 from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SyncRanks, WorldOptions
 from ._errors import RankExitedError
 from ._locals import Seeds
@@ -583,6 +594,7 @@ def _in_this_process(
     with (
         _patches.lease(SCRIPT, script),
         _mpspawn.spawned_ranks(spec.timeout, _NO_DEADLINE, seeds.then("mp.spawn")) as spawned,
+        _mpprocess.process_ranks(spawned),
     ):
         for restart in range(spec.max_restarts + 1):
             with _runlogs.routed_output(spec.logs, run_dir, restart, spec.size) as attempt_dir:
@@ -638,13 +650,15 @@ def _run_once(
     _torch.prepare_for_rank_threads()
     with _patches.lease(_procworld.STEERED_INIT):
         try:
-            end = world.run(rank_main)
+            end = world.run(rank_main, until=spawned.stopped)
             spawned.finish()  # (ranks the script started and left running end before its groups do)
         except (KeyboardInterrupt, _Signalled) as e:
             signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
             _report_interrupted(signal.Signals(signum), world.interrupted_at, size)
-            for spawn_call in spawned.running():  # the ranks the script started with torch.multiprocessing
+            for spawn_call in spawned.running():  # the ranks the script started with (torch.)multiprocessing
                 inner = spawn_call.world
+                if inner is None:
+                    continue
                 with contextlib.suppress(Exception):
                     print(f"  {inner.name}:", file=sys.stderr)
                     _report_places(inner.places(), inner.size, "    ")
@@ -652,6 +666,8 @@ def _run_once(
             return None
     if end.needs_process is not None:
         return end.needs_process
+    if spawned.needs is not None:  # (a rank the script started met it, where its parent waited elsewhere)
+        return spawned.needs
     if end.error is None:
         return 0
     _report(end.error, size, started, seeds)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib
 import inspect
 import sys
 import threading
@@ -336,6 +337,15 @@ def ddp_logging_data() -> tuple[type, str]:
     ddp = torch.nn.parallel.DistributedDataParallel
     _need(ddp, "_get_ddp_logging_data", "DistributedDataParallel._get_ddp_logging_data")
     return ddp, "_get_ddp_logging_data"
+
+
+def spawned_function(target: object, args: tuple[Any, ...]) -> object:
+    """The function a ``torch.multiprocessing.spawn`` child runs, for a ``Process`` target of its
+    private ``_wrap(fn, i, args, error_file)`` (2.10-2.15); any other ``target`` as it is."""
+    # (the module: torch.multiprocessing's attribute of that name is its spawn function)
+    spawn = importlib.import_module("torch.multiprocessing.spawn")
+    wrap = getattr(spawn, "_wrap", None)
+    return args[0] if wrap is not None and target is wrap and args else target
 
 
 def _install_cuda_guard(ensure_guard: Callable[[], None]) -> None:
