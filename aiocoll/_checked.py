@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 import sys
@@ -341,26 +342,49 @@ def _monitored_barrier(real: Callable[..., None]) -> Callable[..., None]:
     return monitored_barrier
 
 
+def _ddp_logging_data(real: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+    """DDP's ``_get_ddp_logging_data``: on a checked group, what it says of the backend is its real group's."""
+
+    @functools.wraps(real)
+    def get_ddp_logging_data(ddp: Any) -> dict[str, Any]:
+        data = real(ddp)
+        pg = getattr(ddp, "process_group", None)
+        checked = pg if isinstance(pg, CheckedProcessGroup) else None
+        if checked is None and pg is not None:
+            with contextlib.suppress(Exception):  # (torch's wrapper of it, for the default group)
+                found = pg._get_backend(torch.device("cpu"))
+                checked = found if isinstance(found, CheckedProcessGroup) else None
+        if checked is not None:
+            data.update(_torch.ddp_backend_logging(checked.real))
+        return data
+
+    return get_ddp_logging_data
+
+
 def _checked_init(key: object) -> list[_patches.Change]:
     real = dist.monitored_barrier
     c10d = sys.modules[real.__module__]  # (distributed_c10d, where torch.distributed took it from)
     barrier = _monitored_barrier(real)
+    ddp, name = _torch.ddp_logging_data()
     return [
         *_torch.process_harness.init_changes(_group_backend, _rendezvous),
         _patches.Attr(dist, "monitored_barrier", barrier),
         _patches.Attr(c10d, "monitored_barrier", barrier),
+        _patches.Attr(ddp, name, _ddp_logging_data(getattr(ddp, name))),
     ]
 
 
 CHECKED_INIT = _patches.PatchSet(
     "checked groups",
     "in a rank's process of aiocoll run (processes mode), the groups c10d makes for gloo, nccl... are "
-    "checked ones, each over a real group of that backend; monitored_barrier on one is its real group's",
+    "checked ones, each over a real group of that backend; monitored_barrier on one is its real group's, and so "
+    "is what DDP's logging data says of the backend",
     _checked_init,
     [
         *_torch.process_harness.INIT_TARGETS,
         "torch.distributed.monitored_barrier",
         "torch.distributed.distributed_c10d.monitored_barrier",
+        "*DistributedDataParallel._get_ddp_logging_data",
     ],
 )
 

@@ -396,7 +396,11 @@ def _start(real: Callable[[mp_process.BaseProcess], None]) -> Callable[[mp_proce
             return
         starter = _runs[-1]
         call, target = _rank_call(self)
-        if not reaches_init(self, target):
+        try:
+            rank = reaches_init(self, target)
+        except Exception:  # (code that cannot be read, a module's __getattr__ that raises: no rank)
+            rank = False
+        if not rank:
             _start_checked(real, self, target, starter.timeout)
             return
         parent = _parent()

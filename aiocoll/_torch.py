@@ -72,6 +72,7 @@ __all__ = [
     "backend_of",
     "c10d_changes",
     "check_c10d",
+    "ddp_backend_logging",
     "ddp_logging_data",
     "default_group",
     "default_store",
@@ -337,6 +338,39 @@ def ddp_logging_data() -> tuple[type, str]:
     ddp = torch.nn.parallel.DistributedDataParallel
     _need(ddp, "_get_ddp_logging_data", "DistributedDataParallel._get_ddp_logging_data")
     return ddp, "_get_ddp_logging_data"
+
+
+# what DDP's C++ logger records of a group's backend, by its name (``Logger::set_env_variables``,
+# 2.10-2.15): each field's environment variables, first set first ("N/A" when none is)
+_DDP_BACKEND_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "nccl": {
+        "nccl_socket_ifname": ("NCCL_SOCKET_IFNAME",),
+        "nccl_blocking_wait": ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"),
+        "nccl_async_error_handling": ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"),
+        "nccl_debug": ("NCCL_DEBUG",),
+        "nccl_nthreads": ("NCCL_NTHREADS",),
+        "nccl_ib_timeout": ("NCCL_IB_TIMEOUT",),
+    },
+    "gloo": {"gloo_socket_ifname": ("GLOO_SOCKET_IFNAME",), "gloo_device_transport": ("GLOO_DEVICE_TRANSPORT",)},
+}
+
+
+def ddp_backend_logging(real: dist.ProcessGroup) -> dict[str, object]:
+    """What DDP's logging data says of ``real``'s backend, as DDP on ``real`` itself would record it.
+
+    Its name (``backend_name``), the environment variables its logger reads for that
+    backend, and for gloo the number of threads of the group's gloo backend.
+    """
+    import os
+
+    name = real.name()
+    out: dict[str, object] = {"backend_name": name}
+    for field, names in _DDP_BACKEND_FIELDS.get(name, {}).items():
+        out[field] = next((os.environ[n] for n in names if n in os.environ), "N/A")
+    if name == "gloo":
+        gloo = real._get_backend(torch.device("cpu"))
+        out["gloo_num_threads"] = int(gloo.options._threads)  # type: ignore[attr-defined]  # (pybind's)
+    return out
 
 
 def spawned_function(target: object, args: tuple[Any, ...]) -> object:

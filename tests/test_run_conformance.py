@@ -218,6 +218,19 @@ NEEDS_PROCESSES = {
         "with torch.profiler.profile() as prof:\n    torch.ones(4).sum()\n"
         "print(f'SCRIPT {r}: profiled {len(prof.key_averages()) > 0}\\n', end='')"
     ),
+    "rpc": (
+        "import torch.distributed.rpc as rpc\n"
+        "rpc.init_rpc(f'worker{r}', rank=r, world_size=dist.get_world_size())\n"
+        "x = rpc.rpc_sync(f'worker{(r + 1) % dist.get_world_size()}', torch.add, args=(torch.ones(1), r))\n"
+        "print(f'SCRIPT {r}: rpc {x.item():g}\\n', end='')\nrpc.shutdown()"
+    ),
+    # what it says of the backend (its name, gloo's threads and variables) is the real group's
+    "ddp-logging": (
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "m(torch.ones(1, 2)).sum().backward()\nd = m._get_ddp_logging_data()\n"
+        "skip = ('avg_', 'master_port', 'time', '_ns', 'unused')\n"
+        "print(f'SCRIPT {r}: {sorted((k, v) for k, v in d.items() if not any(s in k for s in skip))}\\n', end='')"
+    ),
 }
 
 
