@@ -89,12 +89,23 @@ def _c10d_changes(key: object) -> list[_patches.Change]:
     )
 
 
+# (what a world makes must die with it: on torch 2.10-2.12 every DTensorSpec and mesh an op
+# hashes would stay for good, in any process, for torch's own leak)
+OPSCHEMA_LEAK = _patches.PatchSet(
+    "torch's OpSchema leak undone",
+    "on torch 2.10-2.12, the reference torch leaks to each OpSchema's hashed arguments (pytorch#181761) is "
+    "given back, so that a world's DTensorSpecs and meshes die with it (where DTensor is loaded)",
+    lambda key: _torch.op_schema_leak_fix(),
+    ["torch.distributed.tensor._op_schema._DTensor_OpSchema_*"],
+)
+
 PER_RANK_C10D = _patches.PatchSet(
     "torch.distributed per rank",
     "each rank has its own c10d state (default group, groups, names), its meshes and stores are its "
     "world's, group.WORLD read by an import is the process's, DeviceMesh sets each rank's CUDA device",
     _c10d_changes,
     _torch.C10D_TARGETS,
+    needs=(OPSCHEMA_LEAK,),
 )
 
 

@@ -84,6 +84,7 @@ __all__ = [
     "group_timeout",
     "module_hooks",
     "new_group_helper",
+    "op_schema_leak_fix",
     "options",
     "premul_factor",
     "prepare_for_rank_threads",
@@ -552,17 +553,58 @@ def pins_dtensor_specs() -> bool:
     """Whether this torch keeps every DTensorSpec an OpSchema hashes alive for good.
 
     torch 2.10 to 2.12 leak one reference per OpSchema built (pytorch#181761, fixed by
-    pytorch#181792), in any process: nothing outside torch can release those specs or
-    the meshes they name. Measured by building one, as torch's regression test does.
+    pytorch#181792), in any process. Measured by hashing one with torch's own C function,
+    as torch's regression test does (``OPSCHEMA_LEAK`` undoes it while worlds run).
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema
 
     spec = DTensorSpec(mesh=None, placements=(), tensor_meta=None)  # type: ignore[arg-type]
     ref = weakref.ref(spec)
-    OpSchema(op=torch.ops.aten.add.Tensor, args_schema=(spec,), kwargs_schema={})
-    del spec
+    schema = OpSchema(op=torch.ops.aten.add.Tensor, args_schema=(spec,), kwargs_schema={})
+    torch._C._DTensor_OpSchema_recompute_comparison_key(schema)  # (torch's own, whatever replaces its name)
+    del spec, schema
     return ref() is not None
+
+
+_OP_SCHEMA = "torch.distributed.tensor._op_schema"
+# the C functions that hash an OpSchema, by the names its module calls them by (2.10-2.15)
+_OP_SCHEMA_HASHERS = ("_DTensor_OpSchema_post_init", "_DTensor_OpSchema_recompute_comparison_key")
+
+
+def op_schema_leak_fix() -> list[Attr]:
+    """Changes that undo torch's leak of one reference per OpSchema hashed (pytorch#181761), where it has it.
+
+    torch 2.10 to 2.12 build each OpSchema's comparison key ``(op, args)`` with
+    ``PyTuple_Pack(2, op, args.release().ptr())``: the fresh ``args`` tuple gets one
+    reference too many, and every DTensorSpec and mesh in it stays for good. After torch's
+    function returns, the key's ``args`` holds exactly that one reference too many (one
+    for the key, one leaked; nothing else has seen the fresh tuple): it is given back.
+    Only then: a count that says anything else (another branch, a torch without the bug,
+    an interpreter that counts differently) leaves the key alone. Nothing where the
+    module is not loaded (a world without DTensor), nor on a torch without the leak.
+    """
+    module = sys.modules.get(_OP_SCHEMA)
+    if module is None or not pins_dtensor_specs():
+        return []
+    return [
+        Attr(module, name, _unleaking(getattr(module, name))) for name in _OP_SCHEMA_HASHERS if hasattr(module, name)
+    ]
+
+
+def _unleaking(real: Callable[[object], None]) -> Callable[[object], None]:
+    # (a prototype of its own: ctypes.pythonapi's function objects are shared with other code)
+    decref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_DecRef", ctypes.pythonapi))
+
+    @functools.wraps(real)
+    def hash_schema(schema: object) -> None:
+        real(schema)
+        key = getattr(schema, "_comparison_key", None)
+        # (the key's reference, the leaked one, and getrefcount's own argument: 3)
+        if type(key) is tuple and len(key) == 2 and type(key[1]) is tuple and key[1] and sys.getrefcount(key[1]) == 3:
+            decref(key[1])
+
+    return hash_schema
 
 
 # -- per-rank c10d state --------------------------------------------------------------

@@ -632,3 +632,35 @@ def test_a_plugin_test_holding_the_gil_under_xdist_fails_alone(tmp_path: Path) -
     # in the dump only: an ordinary failure's traceback leaves the watchdog's frame out
     assert out.count("under aiocoll's deadline") == 1
     assert "assert comm.rank == 5" in out
+
+
+def test_a_world_s_dtensor_specs_die_with_it_whatever_torch_leaks() -> None:
+    """torch 2.10-2.12 leak a reference to each OpSchema's hashed arguments (pytorch#181761);
+    while worlds run it is given back: the spec dies, and the key keeps what it holds."""
+    import gc
+
+    import torch.distributed.tensor._op_schema  # (the fix applies where DTensor is loaded)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
+
+    from aiocoll import _c10d, _patches
+
+    with _patches.lease(_c10d.OPSCHEMA_LEAK):
+        spec = DTensorSpec(mesh=None, placements=(), tensor_meta=None)  # type: ignore[arg-type]
+        ref = weakref.ref(spec)
+        schema = OpSchema(op=torch.ops.aten.add.Tensor, args_schema=(spec,), kwargs_schema={})
+        schema._recompute_comparison_key()  # (hashed again, as torch's dispatch does)
+        args = schema._comparison_key[1]
+        assert args == (spec,)
+        assert sys.getrefcount(args) == 3  # the key's, this name's, getrefcount's: none leaked
+        # the other branch (static kwargs in the key) never leaked: it is left alone
+        other = OpSchema(
+            op=torch.ops.aten.add.Tensor,
+            args_schema=(spec,),
+            kwargs_schema={"k": 1},
+            schema_info=RuntimeSchemaInfo(static_kwargkey=["k"]),
+        )
+        assert other._comparison_key[1] == (spec,)
+        del spec, schema, args, other
+        gc.collect()
+        assert ref() is None
