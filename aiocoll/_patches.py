@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import sys
 import threading
@@ -225,6 +226,16 @@ def _pattern(target: str) -> re.Pattern[str]:
 
 
 _lock = threading.RLock()  # (reentrant: a set's build may read the registry)
+
+
+def _forked() -> None:
+    # a forked child has a copy of the lock, held if another thread of the parent held it
+    # then (a world starting beside the rank that forks): the child installs sets too
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forked)
 _declared: list[PatchSet] = []
 _installs: dict[tuple[int, Hashable], _Install] = {}
 _first_seen: dict[tuple[int, str], tuple[object, str, object]] = {}  # every attribute replaced: its original

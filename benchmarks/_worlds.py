@@ -130,6 +130,22 @@ class _After:
         self.count = 0
         self.failed: list[str] = []
 
+    def pytest_collection_finish(self, session: Any) -> None:
+        """Make pytest's per-test containers, which every test starts filling as it runs, tracked from the start.
+
+        pytest collects every test before the first runs, and each test's item keeps its
+        state until the session ends. Its instance dict (created lazily since Python
+        3.12) and its stash's dict (tracked by the collector only once it holds a
+        tracked object) would otherwise join the objects the collector tracks one test
+        at a time, about 2 a test: pytest's, the same for any test, not a world's.
+        """
+        import _pytest.stash
+
+        marker = _pytest.stash.StashKey[list[int]]()
+        for item in session.items:
+            vars(item)  # (materializes it)
+            item.stash[marker] = []  # (a tracked value: its dict is tracked from now on)
+
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.failed:
             self.failed.append(f"{report.nodeid}: {report.longreprtext}")

@@ -110,7 +110,6 @@ def child(entry: str, warmup: int, worlds: int, every: int) -> dict[str, Any]:
     pins_dtensor_specs()  # its probe pins a spec on a torch that leaks: before counting starts
     samples: list[tuple[int, float, int, int]] = []
     before: set[int] = set()
-    kept: list[object] = []
     start = time.monotonic()
 
     def after(i: int) -> None:
@@ -119,10 +118,11 @@ def child(entry: str, warmup: int, worlds: int, every: int) -> dict[str, Any]:
         if done >= warmup and ((done - warmup) % every == 0 or done == warmup + worlds):
             gc.collect()
             if not samples and pins_dtensor_specs():
-                # held, not only their ids: a new object at a dead one's address would
-                # read as old. (It keeps them alive, so the growth counted can only rise.)
-                kept.extend(gc.get_objects())
-                before = {id(o) for o in kept}
+                # their ids only: holding the objects would keep alive what the run lets go
+                # (pytest's request of each test that ran, filled as it ran: about one
+                # object a test). A new object at a dead one's address reads as old, so
+                # the pins can only be undercounted: less is left out of the bound.
+                before = {id(o) for o in gc.get_objects()}
             rss, count = _rss_mb(), len(gc.get_objects())  # before counting allocates
             samples.append((done - warmup, rss, count, _pinned_by_torch(before)))
             print(f"  {entry}: {done - warmup} worlds after warm-up, {samples[-1][1]:.0f} MB", file=sys.stderr)

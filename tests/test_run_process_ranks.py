@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import re
 import subprocess
 import sys
 import textwrap
@@ -40,9 +41,15 @@ def _reference(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """
     for _ in range(3):
         ref = _run(tmp_path, *args, python=True)
-        if ref.returncode >= 0 and not any("exit codes" in line and "-6" in line for line in _lines(ref.stdout)):
+        if not _died_by_signal(ref):
             break
     return ref
+
+
+def _died_by_signal(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether the run or a process it reports the exit code of was ended by a signal (gloo's abort at exit)."""
+    codes = [line for line in _lines(proc.stdout) if "exit codes" in line]
+    return proc.returncode < 0 or any(re.search(r"-\d", line) for line in codes)
 
 
 def _lines(out: str) -> list[str]:
@@ -376,7 +383,10 @@ def test_a_process_not_seen_to_be_a_rank_is_a_real_one_with_checked_groups_and_s
 ) -> None:
     """Never unchecked and unsaid: its mismatch is reported by aiocoll, in the process itself."""
     name = _script(tmp_path, "hidden.py", HIDDEN)
-    ours = _run(tmp_path, name, method)
+    for _ in range(3):  # (real processes on real gloo: taken again where gloo aborted one at its exit)
+        ours = _run(tmp_path, name, method)
+        if not _died_by_signal(ours):
+            break
     assert ours.returncode == 0, ours.stderr
     assert _lines(ours.stdout) == ["SCRIPT exit codes [1, 1]"]
     for n in (1, 2):
