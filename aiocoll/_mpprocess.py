@@ -23,11 +23,11 @@ there. The world starts when the parent first waits for one of them (``join``), 
 starts nothing more for ``QUIET`` seconds (a parent waiting on a queue, or polling
 ``is_alive()``), or when its script ends. Each rank's generators start from seeds of
 their own, as a spawned process's (a forked one would copy its parent's torch and NumPy
-states). Each ``Process`` behaves as for a
-process: ``pid`` is the rank's own ``os.getpid()`` (``_procstate.rank_pid``), ``exitcode``
-is 0, ``sys.exit``'s code or 1 after an exception (whose traceback it prints as
-multiprocessing's child does), ``sentinel`` is a descriptor that becomes ready when the
-rank ends, and ``multiprocessing.current_process()`` in the rank is the ``Process``.
+states). Each ``Process`` behaves as for a process: ``pid`` is the rank's own
+``os.getpid()`` (``_procstate.rank_pid``), ``exitcode`` is 0, ``sys.exit``'s code or 1
+after an exception (whose traceback it prints as multiprocessing's child does),
+``sentinel`` is a descriptor that becomes ready when the rank ends, and
+``multiprocessing.current_process()`` in the rank is the ``Process``.
 Threads cannot be stopped one by one: ``terminate()`` and ``kill()`` of a rank still
 running stop its whole world (its exit code is then ``-SIGTERM`` or ``-SIGKILL``).
 
@@ -95,7 +95,9 @@ def reaches_init(process: mp_process.BaseProcess, target: object) -> bool:
     class is the script's), and that of the script's own functions and classes those name,
     through the globals of the module each is defined in. Code of the standard library
     and of installed packages is not read: a process that initialises torch.distributed
-    only there is not seen to (``tests/test_mpprocess.py`` has examples).
+    only there is not seen to (``tests/test_run_process_ranks.py`` has examples). A name
+    bound to torch's function itself (``from torch.distributed import init_process_group as
+    init``) counts as a call of it.
     """
     todo: list[object] = [target]
     if type(process).run is not mp_process.BaseProcess.run:
@@ -119,6 +121,8 @@ def reaches_init(process: mp_process.BaseProcess, target: object) -> bool:
             scope = item.__globals__
             for name in names:
                 found = scope.get(name)
+                if getattr(found, "__name__", None) in _INIT_NAMES and callable(found):
+                    return True  # (torch's function under a name of the script's)
                 if isinstance(found, types.ModuleType):
                     todo += [getattr(found, n, None) for n in names if _own_module(found)]
                 elif found is not None:

@@ -90,6 +90,11 @@ class Worker(multiprocessing.Process):
 def produce(queue):
     queue.put(sum(range(10)))
 
+from torch.distributed import init_process_group as start_group
+
+def aliased(rank):
+    start_group("gloo", rank=rank, world_size=2)  # (torch's function under a name of its own)
+
 def hidden(rank):
     getattr(dist, "init_" + "process_group")("gloo")
 """
@@ -107,7 +112,7 @@ def module(tmp_path: Path) -> object:
     return mod
 
 
-@pytest.mark.parametrize("name", ["setup", "train", "mesh", "by_method"])
+@pytest.mark.parametrize("name", ["setup", "train", "mesh", "by_method", "aliased"])
 def test_a_process_whose_code_initialises_torch_distributed_is_a_rank(module: object, name: str) -> None:
     assert _mpprocess.reaches_init(multiprocessing.Process(), getattr(module, name))
 
