@@ -352,7 +352,7 @@ def _ddp_logging_data(real: Callable[[Any], dict[str, Any]]) -> Callable[[Any], 
         checked = pg if isinstance(pg, CheckedProcessGroup) else None
         if checked is None and pg is not None:
             with contextlib.suppress(Exception):  # (torch's wrapper of it, for the default group)
-                found = pg._get_backend(torch.device("cpu"))
+                found = _torch.backend_of(pg, torch.device("cpu"))
                 checked = found if isinstance(found, CheckedProcessGroup) else None
         if checked is not None:
             data.update(_torch.ddp_backend_logging(checked.real))

@@ -369,7 +369,7 @@ def ddp_backend_logging(real: dist.ProcessGroup) -> dict[str, object]:
     for field, names in _DDP_BACKEND_FIELDS.get(name, {}).items():
         out[field] = next((os.environ[n] for n in names if n in os.environ), "N/A")
     if name == "gloo":
-        gloo = real._get_backend(torch.device("cpu"))
+        gloo = backend_of(real, torch.device("cpu"))
         out["gloo_num_threads"] = int(gloo.options._threads)  # type: ignore[attr-defined]  # (pybind's)
     return out
 
