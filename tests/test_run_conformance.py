@@ -346,3 +346,49 @@ def test_each_rank_s_cuda_device_is_the_one_torchrun_s_process_gets(tmp_path: Pa
         results[name] = sorted(json.loads(line.split("SCRIPT ", 1)[1]) for line in out)
     assert results["torchrun"] == [[0, 0, 0, 4.0], [1, 1, 1, 4.0], [2, 2, 0, 4.0], [3, 3, 1, 4.0]]
     assert results["aiocoll"] == results["torchrun"]
+
+
+DRAWS = r"""
+import random
+import numpy as np
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+r = dist.get_rank()
+mine = (torch.rand(1).item(), random.random(), float(np.random.rand()))  # unseeded
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, mine)
+if r == 0:
+    distinct = [len({d[k] for d in every}) == len(every) for k in range(3)]
+    print(f"SCRIPT 0: each rank its own torch, random and NumPy numbers: {distinct}\n", end="")
+    print(f"SCRIPT DRAWS {every}\n", end="")
+dist.destroy_process_group()
+"""
+
+
+def test_unseeded_numbers_are_each_rank_s_own_as_under_torchrun_and_a_seed_replays_them(tmp_path: Path) -> None:
+    """As fresh processes: each rank draws numbers of its own, and each run anew; ``--seed`` draws them again."""
+
+    def launch(launcher: list[str], tmp: Path, options: list[str]) -> tuple[int, list[str]]:
+        for _ in range(3):  # (torchrun's workers abort at exit now and then: DESIGN 7)
+            code, out, _ = _launch(launcher, tmp, options, [], nproc=3)
+            if code == 0:
+                break
+        return code, out
+
+    said, draws = {}, {}
+    for name, launcher, tmp in _both(tmp_path, DRAWS):
+        runs = [launch(launcher, tmp, []) for _ in range(2)]
+        said[name] = [(code, [line for line in out if "DRAWS" not in line]) for code, out in runs]
+        draws[name] = [[line for line in out if "DRAWS" in line] for _, out in runs]
+    expected = (0, ["SCRIPT 0: each rank its own torch, random and NumPy numbers: [True, True, True]"])
+    assert said["aiocoll"] == said["torchrun"] == [expected, expected]
+    for name, (first, second) in draws.items():
+        assert len(first) == len(second) == 1, name
+        assert first != second, f"{name}: two runs drew the same numbers"
+    # torchrun has no such option: with --seed, every rank's numbers come again, exactly
+    seeded = [launch(LAUNCHERS["aiocoll"], tmp_path / "aiocoll", ["--seed", "7"]) for _ in range(2)]
+    assert [code for code, _ in seeded] == [0, 0]
+    first, second = ([line for line in out if "DRAWS" in line] for _, out in seeded)
+    assert len(first) == 1
+    assert first == second
