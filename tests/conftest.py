@@ -1,7 +1,7 @@
 """Shared fixtures: every engine test runs on both asyncio and uvloop.
 
 ``AIOCOLL_CI_LEAVE_OUT`` (a comma-separated list of markers: ``bench_smoke``, ``launcher``,
-``launcher_conformance``, ``library_conformance``, ``processes``) skips those groups of tests, saying so: ``.ci/run``
+``launcher_conformance``, ``script_conformance``, ``processes``) skips those groups of tests, saying so: ``.ci/run``
 sets it in each cell, so that the whole matrix stays within its time budget while every
 group still runs in at least one cell. Unset (a developer's run), nothing is left out.
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-_GROUPS = ("bench_smoke", "launcher", "launcher_conformance", "library_conformance", "processes")
+_GROUPS = ("bench_smoke", "launcher", "launcher_conformance", "script_conformance", "processes")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -288,7 +288,7 @@ def test_any_backend_and_init_method_gets_checked_groups_that_answer_as_torch_s(
     ids=["ddp-dataloader-checkpoint", "fsdp2-dcp"],
 )
 def test_training_scripts_give_in_process_results_in_checked_processes(tmp_path: Path, path: Path) -> None:
-    """In one process they give torchrun's results (test_run_library_conformance); checked in processes, the same."""
+    """In one process they give torchrun's results (test_run_script_conformance); checked in processes, the same."""
 
     def printed(*options: str) -> list[str]:
         proc = run(tmp_path, *options, "--nproc-per-node", "4", str(path), str(tmp_path / options[0].strip("-")))

@@ -4,21 +4,20 @@ Each case runs the script under torchrun (``python -m torch.distributed.run``, t
 and under ``aiocoll run``, and compares the exit codes, the script's lines on stdout and on
 stderr, its logging's among them (sorted: torchrun's workers write side by side, in no fixed order), the log files
 written per rank, and the environment variables each rank sees (names; values where they do
-not depend on the run). Scripts of libraries (accelerate, Lightning) and training scripts
-are compared in ``test_run_library_conformance.py``.
+not depend on the run). What scripts compute (each kind of call one process cannot serve,
+random numbers, libraries' and training scripts) is compared in ``test_run_script_conformance.py``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from _launchers import LAUNCHERS, PROCESSES
+from _launchers import LAUNCHERS, PROCESSES, both, launch
 
 pytestmark = pytest.mark.launcher_conformance
 
@@ -63,48 +62,6 @@ if __name__ == "__main__":
 _RUN_SPECIFIC = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
 
 
-def _launch(
-    launcher: list[str],
-    tmp: Path,
-    options: list[str],
-    args: list[str],
-    *,
-    nproc: int = 2,
-    env: dict[str, str] | None = None,
-) -> tuple[int, list[str], list[str]]:
-    logs = tmp / "logs"
-    # --standalone: torchrun picks a free port (without it, torch 2.10's takes 29500, and runs side by side clash)
-    standalone = [] if "--master-port" in options else ["--standalone"]
-    proc = subprocess.run(
-        [*launcher, "--nproc-per-node", str(nproc), *standalone, "--log-dir", str(logs), *options, "script.py", *args],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    # from "SCRIPT" on: a script's line is one write, but torch 2.10's gloo writes its "[Gloo]
-    # Rank N is connected to ..." in pieces, which another process's line can land among
-    # (seen in CI: "[Gloo] Rank [Gloo] Rank SCRIPT 1: handled" under torchrun)
-    out = [line[line.index("SCRIPT") :] for line in proc.stdout.splitlines() if "SCRIPT" in line]
-    err = [line[line.index("SCRIPT") :] for line in proc.stderr.splitlines() if "SCRIPT" in line]
-    return proc.returncode, out, err
-
-
-def _both(
-    tmp_path: Path, script: str = SCRIPT, aiocoll: list[str] = LAUNCHERS["aiocoll"]
-) -> list[tuple[str, list[str], Path]]:
-    """Each launcher (``aiocoll``: that command) with a directory of its own holding ``script`` as ``script.py``."""
-    out = []
-    for name, launcher in {**LAUNCHERS, "aiocoll": aiocoll}.items():
-        tmp = tmp_path / name
-        tmp.mkdir()
-        (tmp / "script.py").write_text(textwrap.dedent(script), encoding="utf-8")
-        out.append((name, launcher, tmp))
-    return out
-
-
 def _log_files(tmp: Path) -> dict[str, str]:
     """``attempt_0/<rank>/<stream>.log`` (and ``attempt_0/filtered_*.log``) -> its lines, sorted.
 
@@ -144,8 +101,8 @@ def _environments(lines: list[str]) -> list[dict[str, str]]:
 @pytest.mark.parametrize("aiocoll", [LAUNCHERS["aiocoll"], PROCESSES], ids=["in-process", "processes"])
 def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[str], aiocoll: list[str]) -> None:
     results = {}
-    for name, launcher, tmp in _both(tmp_path, aiocoll=aiocoll):
-        code, out, err = _launch(launcher, tmp, options, ["two-writes"] if options else [])
+    for name, launcher, tmp in both(tmp_path, SCRIPT, aiocoll=aiocoll):
+        code, out, err = launch(launcher, tmp, options, ["two-writes"] if options else [])
         results[name] = (code, sorted(out), sorted(err), _log_files(tmp))
     torchrun, aiocoll = results["torchrun"], results["aiocoll"]
     assert torchrun[0] == aiocoll[0] == 0
@@ -167,8 +124,8 @@ def test_aiocoll_run_prints_what_torchrun_prints(tmp_path: Path, options: list[s
 @pytest.mark.parametrize("aiocoll", [LAUNCHERS["aiocoll"], PROCESSES], ids=["in-process", "processes"])
 def test_a_failing_rank_fails_both_alike_and_record_writes_its_error_file(tmp_path: Path, aiocoll: list[str]) -> None:
     codes = {}
-    for name, launcher, tmp in _both(tmp_path, aiocoll=aiocoll):
-        codes[name], _, _ = _launch(launcher, tmp, [], ["fail"])
+    for name, launcher, tmp in both(tmp_path, SCRIPT, aiocoll=aiocoll):
+        codes[name], _, _ = launch(launcher, tmp, [], ["fail"])
         # @record wrote the failing rank's error file where TORCHELASTIC_ERROR_FILE said, and only its
         error_files = sorted(p.parts[-2] for p in (tmp / "logs").glob("*/attempt_0/*/error.json"))
         assert error_files == ["1"], name
@@ -181,72 +138,12 @@ def test_run_specific_values_are_chosen_as_torchrun_chooses_them(tmp_path: Path)
     """With --master-port given, torchrun keeps the static rendezvous: that port, run id "none"."""
     tmp = tmp_path
     (tmp / "script.py").write_text(textwrap.dedent(SCRIPT), encoding="utf-8")
-    code, out, _ = _launch([sys.executable, "-m", "aiocoll", "run"], tmp, ["--master-port", "29123"], [])
+    code, out, _ = launch([sys.executable, "-m", "aiocoll", "run"], tmp, ["--master-port", "29123"], [])
     assert code == 0
     envs = [json.loads(line.split("SCRIPT ENV ", 1)[1]) for line in out if "SCRIPT ENV" in line]
     assert [(e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs] == [("29123", "none")] * 2
     for rank, env in sorted((int(e["RANK"]), e) for e in envs):
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(os.path.join("attempt_0", str(rank), "error.json"))
-
-
-# one script per kind of call that only a process of its own can make (aiocoll run runs them
-# in processes, as read from the script), and the pid, which each rank has of its own in one
-NEEDS_PROCESSES = {
-    "pid": (
-        "open(f'pid.{os.getpid()}', 'w').write(str(r))\ndist.barrier()\n"
-        "print(f'SCRIPT {r}: a pid of its own {os.getpid() != os.getppid()}, files {len(os.listdir())}\\n', end='')"
-    ),
-    "exit": "dist.barrier()\nif r == 1:\n    os._exit(3)\ndist.barrier()",
-    "signal": (
-        "signal.signal(signal.SIGUSR1, lambda *a: print(f'SCRIPT {r}: handled\\n', end=''))\n"
-        "signal.raise_signal(signal.SIGUSR1)"
-    ),
-    "gloo": (
-        "pg = dist.ProcessGroupGloo(dist.PrefixStore('own', dist.TCPStore(os.environ['MASTER_ADDR'], "
-        "int(os.environ['MASTER_PORT']))), r, dist.get_world_size())\n"
-        "u = torch.ones(1)\npg.allreduce([u]).wait()\nprint(f'SCRIPT {r}: own gloo {u.item():g}\\n', end='')\n"
-        "del pg  # (gloo's teardown at exit aborts torchrun's workers often enough without it)"
-    ),
-    "profiler": (
-        "with torch.profiler.profile() as prof:\n    torch.ones(4).sum()\n"
-        "print(f'SCRIPT {r}: profiled {len(prof.key_averages()) > 0}\\n', end='')"
-    ),
-    "rpc": (
-        "import torch.distributed.rpc as rpc\n"
-        "rpc.init_rpc(f'worker{r}', rank=r, world_size=dist.get_world_size())\n"
-        "x = rpc.rpc_sync(f'worker{(r + 1) % dist.get_world_size()}', torch.add, args=(torch.ones(1), r))\n"
-        "print(f'SCRIPT {r}: rpc {x.item():g}\\n', end='')\nrpc.shutdown()"
-    ),
-    # what it says of the backend (its name, gloo's threads and variables) is the real group's
-    "ddp-logging": (
-        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
-        "m(torch.ones(1, 2)).sum().backward()\nd = m._get_ddp_logging_data()\n"
-        "skip = ('avg_', 'master_port', 'time', '_ns', 'unused')\n"
-        "print(f'SCRIPT {r}: {sorted((k, v) for k, v in d.items() if not any(s in k for s in skip))}\\n', end='')"
-    ),
-}
-
-
-@pytest.mark.parametrize("kind", sorted(NEEDS_PROCESSES))
-def test_a_script_one_process_cannot_serve_gives_torchrun_s_results(tmp_path: Path, kind: str) -> None:
-    body = (
-        "import os, signal, torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\nr = dist.get_rank()\n"
-        f"{NEEDS_PROCESSES[kind]}\n"
-        "t = torch.ones(1)\ndist.all_reduce(t)\nprint(f'SCRIPT {r}: sum {t.item():g}\\n', end='')\n"
-        "dist.destroy_process_group()\n"
-    )
-    results = {}
-    for name, launcher, tmp in _both(tmp_path, body):
-        for _ in range(5):  # (torchrun's workers abort at exit now and then, more often under load: DESIGN 7)
-            for left in tmp.glob("pid.*"):  # (what a try before wrote)
-                left.unlink()
-            code, out, _ = _launch(launcher, tmp, [], [], nproc=3)
-            if code == 0 or kind == "exit":
-                break
-        results[name] = (code, sorted(out))
-    assert results["aiocoll"] == results["torchrun"]
-    assert results["torchrun"][0] == (1 if kind == "exit" else 0)
 
 
 # ranks failing in processes, each way: torchrun's gloo hangs to the group's timeout (a few
@@ -278,8 +175,8 @@ def test_in_processes_a_failing_rank_fails_both_alike_and_aiocoll_names_each_cal
     body, said, timeout = FAILING[kind]
     script = FAILING_SCRIPT.replace("BODY", textwrap.indent(body, "    ")).replace("TIMEOUT", str(timeout))
     results = {}
-    for name, launcher, tmp in _both(tmp_path, script, aiocoll=PROCESSES):
-        code, out, _ = _launch(launcher, tmp, [], [])
+    for name, launcher, tmp in both(tmp_path, script, aiocoll=PROCESSES):
+        code, out, _ = launch(launcher, tmp, [], [])
         # each rank that failed wrote its error file with @record (one the agent stopped
         # while it wrote may have left it empty)
         errors = {
@@ -340,55 +237,9 @@ def test_each_rank_s_cuda_device_is_the_one_torchrun_s_process_gets(tmp_path: Pa
         "PYTHONPATH": os.pathsep.join([str(sitecustomize_dir(tmp_path, 4)), os.environ.get("PYTHONPATH", "")]),
     }
     results = {}
-    for name, launcher, tmp in _both(tmp_path, DEVICES_SCRIPT):
-        code, out, err = _launch(launcher, tmp, [], [], nproc=4, env=env)
+    for name, launcher, tmp in both(tmp_path, DEVICES_SCRIPT):
+        code, out, err = launch(launcher, tmp, [], [], nproc=4, env=env)
         assert code == 0, f"{name}: {err}"
         results[name] = sorted(json.loads(line.split("SCRIPT ", 1)[1]) for line in out)
     assert results["torchrun"] == [[0, 0, 0, 4.0], [1, 1, 1, 4.0], [2, 2, 0, 4.0], [3, 3, 1, 4.0]]
     assert results["aiocoll"] == results["torchrun"]
-
-
-DRAWS = r"""
-import random
-import numpy as np
-import torch, torch.distributed as dist
-
-dist.init_process_group("gloo")
-r = dist.get_rank()
-mine = (torch.rand(1).item(), random.random(), float(np.random.rand()))  # unseeded
-every = [None] * dist.get_world_size()
-dist.all_gather_object(every, mine)
-if r == 0:
-    distinct = [len({d[k] for d in every}) == len(every) for k in range(3)]
-    print(f"SCRIPT 0: each rank its own torch, random and NumPy numbers: {distinct}\n", end="")
-    print(f"SCRIPT DRAWS {every}\n", end="")
-dist.destroy_process_group()
-"""
-
-
-def test_unseeded_numbers_are_each_rank_s_own_as_under_torchrun_and_a_seed_replays_them(tmp_path: Path) -> None:
-    """As fresh processes: each rank draws numbers of its own, and each run anew; ``--seed`` draws them again."""
-
-    def launch(launcher: list[str], tmp: Path, options: list[str]) -> tuple[int, list[str]]:
-        for _ in range(3):  # (torchrun's workers abort at exit now and then: DESIGN 7)
-            code, out, _ = _launch(launcher, tmp, options, [], nproc=3)
-            if code == 0:
-                break
-        return code, out
-
-    said, draws = {}, {}
-    for name, launcher, tmp in _both(tmp_path, DRAWS):
-        runs = [launch(launcher, tmp, []) for _ in range(2)]
-        said[name] = [(code, [line for line in out if "DRAWS" not in line]) for code, out in runs]
-        draws[name] = [[line for line in out if "DRAWS" in line] for _, out in runs]
-    expected = (0, ["SCRIPT 0: each rank its own torch, random and NumPy numbers: [True, True, True]"])
-    assert said["aiocoll"] == said["torchrun"] == [expected, expected]
-    for name, (first, second) in draws.items():
-        assert len(first) == len(second) == 1, name
-        assert first != second, f"{name}: two runs drew the same numbers"
-    # torchrun has no such option: with --seed, every rank's numbers come again, exactly
-    seeded = [launch(LAUNCHERS["aiocoll"], tmp_path / "aiocoll", ["--seed", "7"]) for _ in range(2)]
-    assert [code for code, _ in seeded] == [0, 0]
-    first, second = ([line for line in out if "DRAWS" in line] for _, out in seeded)
-    assert len(first) == 1
-    assert first == second
