@@ -124,7 +124,8 @@ def reaches_init(process: mp_process.BaseProcess, target: object) -> bool:
                 if getattr(found, "__name__", None) in _INIT_NAMES and callable(found):
                     return True  # (torch's function under a name of the script's)
                 if isinstance(found, types.ModuleType):
-                    todo += [getattr(found, n, None) for n in names if _own_module(found)]
+                    if _own_module(found):  # (a module of the script's: what this code names in it)
+                        todo += [getattr(found, n, None) for n in names]
                 elif found is not None:
                     todo.append(found)
     return False
@@ -214,14 +215,14 @@ class _RankPopen:
         """In the rank's thread: the process's code, as multiprocessing's child bootstrap runs it."""
         _runlogs.OUTPUT_RANK.set(self.writes_as)
         _procstate.take_pid(self.pid)
-        _inherit(self.environ)
+        _procstate.set_environ(self.environ)  # (its own view: as its parent's was at its start)
         code = 1
         try:
             with self.parents_main(), _PROCESS.bound(self.process):
                 self.call()
             code = 0
         except SystemExit as e:
-            code = _exit_code(e)
+            code = _outcome.exit_status(e)  # (as its parent reads a process's, from waitpid)
             if code != 0:
                 raise
         except _procstate.NeedsProcess as e:
@@ -252,25 +253,6 @@ class _RankPopen:
 def _close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
-
-
-def _exit_code(e: SystemExit) -> int:
-    """A process's exit code for ``sys.exit(e.code)``, as multiprocessing's child sets it."""
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
-
-
-def _inherit(environ: dict[str, str]) -> None:
-    """In the rank: ``os.environ`` as its parent's was when it started it."""
-    for key in [k for k in os.environ if k not in environ]:
-        del os.environ[key]
-    for key, value in environ.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
 
 
 class ProcessBatch:
@@ -330,30 +312,20 @@ class ProcessBatch:
         self.reap()
 
     def reap(self) -> None:
-        """Once every rank ended: end the world (and the run's, if a rank needs a process)."""
+        """Once every rank ended: end the world (a rank that needs a process told the run as it met that)."""
         with self._lock:
             if self._reaped or self.world is None or not all(m.ended.is_set() for m in self.members):
                 return
             self._reaped = True
             self.world.wait(None)
             self.world.end()
-        if self.needs is not None:
-            self.starter.needs_processes(self.needs)
 
     def stop(self) -> None:
         """``terminate()`` of a rank still running: its world ends (threads cannot be stopped one by one)."""
-        self.start()
-        assert self.world is not None
-        with self._lock:
-            if not self._reaped:
-                self._reaped = True
-                self.world.end()
-                self._reap_left()
-        if self.needs is not None:
-            self.starter.needs_processes(self.needs)
+        self.abandon()
 
     def abandon(self, grace: float | None = None) -> None:
-        """At the run's end: the world ends without waiting for ranks still running (as ``SpawnedContext``'s)."""
+        """The world ends without waiting for ranks still running (as ``SpawnedContext``'s, at the run's end)."""
         self.start()
         assert self.world is not None
         with self._lock:
@@ -466,7 +438,8 @@ def _after_fork() -> None:
     wanted = _CHECK_CHILD.get()
     if wanted is not None:
         _CHECK_CHILD.set(None)
-        _checked.install(*wanted[:1], said=wanted[1])
+        timeout, said = wanted
+        _checked.install(timeout, said=said)
 
 
 os.register_at_fork(after_in_child=_after_fork)

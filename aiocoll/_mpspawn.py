@@ -48,13 +48,11 @@ class SpawnedContext:
         world: _procworld.InProcessWorld,
         failures: list[tuple[int, BaseException]],
         daemon: bool = False,
-        needs_processes: Callable[[_procstate.NeedsProcess], None] | None = None,
     ) -> None:
         self.daemon = daemon  # as torch's: at exit, daemon processes are stopped, the others waited for
         self.world = world
         self._failures = failures
         self._joined = False
-        self._needs_processes = needs_processes  # told when a rank did what only a process can
 
     @property
     def joined(self) -> bool:
@@ -79,9 +77,7 @@ class SpawnedContext:
             return False
         end = self.world.end()
         self._joined = True
-        if end.needs_process is not None:
-            if self._needs_processes is not None:
-                self._needs_processes(end.needs_process)
+        if end.needs_process is not None:  # (the run was told as the rank met it: Starter.needs_processes)
             raise end.needs_process
         _raise_first_failure(self._failures, end.error, os.getpid())
         return True
@@ -194,7 +190,7 @@ class Starter:
             seeds=self.seeds.then(f"mp.spawn {len(self.contexts)}"),  # (fresh processes, told apart)
         )
         world.start(rank_main)
-        context = SpawnedContext(world, failures, daemon, self.needs_processes)
+        context = SpawnedContext(world, failures, daemon)
         self.contexts.append(context)
         if not join:
             return context

@@ -7,6 +7,7 @@ what ``Outcome.report`` builds, so a failure reads the same whichever way it ran
 from __future__ import annotations
 
 import asyncio
+import sys
 import warnings
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from ._errors import WorldAbortedError
 if TYPE_CHECKING:
     from ._engine import EngineWork, RankState, World
 
-__all__ = ["Outcome", "echoes_abort", "sees_through", "warn_unmatched"]
+__all__ = ["Outcome", "echoes_abort", "exit_status", "sees_through", "warn_unmatched"]
 
 
 class Outcome:
@@ -102,6 +103,17 @@ def sees_through(world: World, e: BaseException) -> None:
             cur.__cause__ = sent
             return
         cur = cur.__cause__ or cur.__context__
+
+
+def exit_status(e: SystemExit) -> int:
+    """What ``sys.exit(e.code)`` makes a process's exit code, as the interpreter reads it
+    (a string is printed on stderr, and means 1)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def echoes_abort(e: BaseException) -> bool:

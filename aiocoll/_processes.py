@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
-from . import _checked, _frdump, _mpprocess, _procworld, _rankmain, _runlogs
+from . import _checked, _frdump, _mpprocess, _outcome, _procworld, _rankmain, _runlogs
 from ._locals import Seeds, numpy_seed
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ def _rank_process(rank: _RankSpec) -> int:
         exec(code, module.__dict__)
         status = 0
     except SystemExit as e:
-        status = _exit_status(e)
+        status = _outcome.exit_status(e)
     except KeyboardInterrupt:
         traceback.print_exc()
         status = 128 + signal.SIGINT
@@ -283,16 +283,6 @@ def _reseed(seed: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(numpy_seed(seed))
-
-
-def _exit_status(e: SystemExit) -> int:
-    """What ``sys.exit(e.code)`` makes the process's exit code, as the interpreter reads it."""
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def _finish(status: int) -> int:

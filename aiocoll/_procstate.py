@@ -94,6 +94,7 @@ __all__ = [
     "rank_pid",
     "reserve_pid",
     "run_exit_handlers",
+    "set_environ",
     "take_pid",
     "unbind",
 ]
@@ -733,6 +734,15 @@ def snapshot_environ() -> dict[str, str]:
     return dict(os.environ)
 
 
+def set_environ(saved: dict[str, str]) -> None:
+    """Make ``os.environ`` as the calling thread sees it (a rank's view, or the real one) ``saved``."""
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def restore_environ(saved: dict[str, str]) -> None:
     """Put the process's environment back as ``saved``.
 
@@ -740,8 +750,4 @@ def restore_environ(saved: dict[str, str]) -> None:
     a rank) ends it, and its own view must not become the world's start.
     """
     with _ENVIRON.bound(None):
-        for key in [k for k in os.environ if k not in saved]:
-            del os.environ[key]
-        for key, value in saved.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
+        set_environ(saved)

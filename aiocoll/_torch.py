@@ -20,6 +20,7 @@ import ctypes
 import functools
 import importlib
 import inspect
+import os
 import sys
 import threading
 import weakref
@@ -362,8 +363,6 @@ def ddp_backend_logging(real: dist.ProcessGroup) -> dict[str, object]:
     Its name (``backend_name``), the environment variables its logger reads for that
     backend, and for gloo the number of threads of the group's gloo backend.
     """
-    import os
-
     name = real.name()
     out: dict[str, object] = {"backend_name": name}
     for field, names in _DDP_BACKEND_FIELDS.get(name, {}).items():
