@@ -15,28 +15,32 @@ awaitable rendezvous, and mismatches, deadlocks and failed ranks are reported at
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._c10d import register, settle
-from ._comm import Comm
-from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
-from ._engine_comm import rank_generator
-from ._errors import (
-    AiocollError,
-    BlockingCallError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DeadlockError,
-    GroupTimeoutError,
-    InvalidArgumentError,
-    RankExitedError,
-    TorchCompatError,
-    WorldAbortedError,
-)
-from ._faults import Fault, InjectedFault, OpInfo
-from ._frdump import dump_flight_recorder
-from ._pg import from_process_group
-from ._spawn import SeedFailure, find_failing_seed, spawn, spawn_async
-from ._stats import RankStatistics, Statistics
-from ._work import Work
+from . import _collector, _patches
+
+# (the collector paused while aiocoll, and torch with it, imports: see _collector)
+with _patches.lease(_collector.PAUSED):
+    from ._c10d import register, settle
+    from ._comm import Comm
+    from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
+    from ._engine_comm import rank_generator
+    from ._errors import (
+        AiocollError,
+        BlockingCallError,
+        CollectiveMismatchError,
+        CollectiveTimeoutError,
+        DeadlockError,
+        GroupTimeoutError,
+        InvalidArgumentError,
+        RankExitedError,
+        TorchCompatError,
+        WorldAbortedError,
+    )
+    from ._faults import Fault, InjectedFault, OpInfo
+    from ._frdump import dump_flight_recorder
+    from ._pg import from_process_group
+    from ._spawn import SeedFailure, find_failing_seed, spawn, spawn_async
+    from ._stats import RankStatistics, Statistics
+    from ._work import Work
 
 register()  # the torch.distributed backend "aiocoll"
 

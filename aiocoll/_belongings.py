@@ -62,7 +62,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import sys
 import threading
 import weakref
 from collections import deque
@@ -72,7 +71,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _patches, _torch
+from . import _collector, _patches, _torch
 
 __all__ = ["Belongings", "Kind", "world_scope"]
 
@@ -158,13 +157,6 @@ GROWTH_MB = 8.0  # or the memory grown since the last one (RSS, and CUDA's alloc
 MAX_FACTOR = 32
 LITTLE = 20_000
 _growth_factor = 1
-
-# What the interpreter itself froze as it started: CPython 3.12 keeps the immortal base and
-# MRO tuples of its static types there (375 on 3.12.1; none on 3.11 and 3.13). Those are
-# no one's to keep frozen (immortal, never collected): unfreezing them is harmless, and
-# a count of exactly that many is no sign of another user of gc.freeze(). (Read on 3.12
-# alone: elsewhere a count at import is a program's own gc.freeze(), to be left alone.)
-_STARTUP_FROZEN = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 0
 
 # A world that runs longer gives the objects it set aside back before its end, which
 # then costs a full collection (0.2 s: a tenth of such a world at most). While objects
@@ -256,7 +248,7 @@ def _set_aside() -> Callable[[], None]:
     """The first scope: the older objects set aside, unless someone else froze objects already."""
     global _froze, _epoch, _thaw_pending
     # someone else's frozen objects: gc.unfreeze() at the end would release them too
-    _froze = gc.get_freeze_count() in (0, _STARTUP_FROZEN)  # (a walk of the permanent generation)
+    _froze = gc.get_freeze_count() in (0, _collector.STARTUP_FROZEN)  # (a walk of the permanent generation)
     if _froze:
         _collect_between_worlds()
         gc.freeze()

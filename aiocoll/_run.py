@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
-import gc
 import importlib.util
 import os
 import signal
@@ -40,6 +39,7 @@ from typing import Literal, NamedTuple, cast
 import torch
 
 from . import (
+    _collector,
     _mpprocess,
     _mpspawn,
     _patches,
@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None, *, exit_when_interrupted: bool = Fal
     once, as torchrun's workers do when it stops them, without the interpreter's clean-up
     (about 0.8 s with torch loaded) and without waiting for ranks left running.
     """
-    with _patches.lease(PARSING):
+    with _patches.lease(_collector.PAUSED):
         args = parser().parse_args(argv)
     try:
         spec = RunSpec.of(args)
@@ -604,21 +604,6 @@ def _in_this_process(
                 return code
             print(f"aiocoll run: restarting the world ({restart + 1} of {spec.max_restarts})", file=sys.stderr)
     return 1  # (not reached)
-
-
-def _collector_off() -> Callable[[], None]:
-    was = gc.isenabled()
-    gc.disable()
-    return gc.enable if was else lambda: None
-
-
-PARSING = _patches.PatchSet(
-    "collector paused",
-    "the garbage collector off while aiocoll run imports and reads torchrun's parser: with torch loaded, the "
-    "objects that import makes set off full collections (0.14 s of its 0.18 s); the ranks run with it as found",
-    lambda key: [_patches.Step("gc.disable", _collector_off)],
-    ["gc.disable"],
-)
 
 
 def _call_site(e: BaseException, script: str) -> str:

@@ -31,7 +31,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOp
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
 
 import aiocoll
-from aiocoll import _belongings, _worldthread
+from aiocoll import _collector, _worldthread
 from aiocoll._c10d import AiocollProcessGroup
 from aiocoll.testing import ThreadedPGReplacement, replace_threaded_pg
 
@@ -370,7 +370,7 @@ def test_a_world_that_cannot_start_fails_the_test(monkeypatch: pytest.MonkeyPatc
         assert isinstance(e.__cause__, OSError)
         assert str(e.__cause__) == "no loop here"
     # and the objects its start set aside (_belongings.world_scope) are back, not set aside for good
-    assert gc.get_freeze_count() in (0, _belongings._STARTUP_FROZEN)
+    assert gc.get_freeze_count() in (0, _collector.STARTUP_FROZEN)
 
 
 @pytest.mark.usefixtures("aiocoll_pg")
