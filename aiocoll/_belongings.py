@@ -35,9 +35,16 @@ world go before it ends: its end collects once more, still looking only at what 
 since it began (milliseconds), and the engine dies then. What piles up still (garbage
 made between worlds; an engine a caller keeps) a world's start collects, every
 generation, once the process's memory (RSS, and CUDA's allocated memory) grew by
-``GROWTH_MB`` since the last such collection (more, while such collections find
-little: caches grow too) or ``ENGINES`` ended worlds' engines are still alive: a cost
-shared by many worlds, none where nothing piles up.
+``GROWTH_MB`` since the last such collection, or since the first world ended (what
+that one grew by is first-use set-ups: imports, torch's caches), more while such
+collections find little (caches grow too), or once ``ENGINES`` ended worlds' engines
+are still alive: a cost shared by many worlds, none where nothing piles up.
+Before that reading, a world's start gives the C allocator's free pages back to the
+system (glibc's ``malloc_trim``, 1-2 ms) once the resident set grew by ``TRIM_MB``
+since it last did: what a world frees in C++ (threads, tensors, torch's objects) stays
+in glibc's arenas otherwise, in pieces too small for the next world's allocations, and
+the resident set grew 40-70 KB a world with nothing kept (torch 2.10, the pytest
+plugin), which also set off full collections that found nothing.
 A world that runs longer than ``FREEZE_SECONDS`` gives the objects back then, and its
 end costs a full collection: it is long enough that this is a small part of it.
 The scope sets nothing aside when some other code froze objects already
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import os
 import threading
@@ -172,35 +180,65 @@ _epoch = 0  # counts the times they were set aside (a late thaw must not give ba
 _thaw_pending = False  # whether a world's loop will give them back after FREEZE_SECONDS
 _ended: list[weakref.ref[Any]] = []  # the engines of worlds that ended since that collection
 _memory_then: float | None = None  # the memory after it, MB
+TRIM_MB = 4.0  # the resident set grown since the allocator's free pages were last given back, MB
+_trimmed_at: float | None = None  # the resident set then, MB
+
+
+def _rss_mb() -> float:
+    """The process's resident set, MB (Linux; else 0)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _memory_mb() -> float:
-    """The process's memory, MB: its resident set (Linux; else 0) and CUDA's allocated memory (if in use)."""
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        rss = 0
+    """The process's memory, MB: its resident set and CUDA's allocated memory (if in use)."""
+    mb = _rss_mb()
     # (never initialises CUDA, nor asks the driver for devices at every world's start:
     # only a process that uses CUDA, so has it initialised, has its memory to count)
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        rss += sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
-    return rss / 2**20
+        mb += sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**20
+    return mb
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # (TypeError: Windows, which has no CDLL(None))
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def _give_free_pages_back(*, grown_by: float = TRIM_MB) -> None:
+    """The allocator's free pages back to the system, once the resident set grew by ``grown_by`` MB (see the module)."""
+    global _trimmed_at
+    if _TRIM is None:
+        return
+    now = _rss_mb()
+    if _trimmed_at is None or now - _trimmed_at >= grown_by:
+        _TRIM(0)
+        _trimmed_at = _rss_mb()
 
 
 def _collect_between_worlds() -> None:
     """Before the older objects are set aside: collect them all, when engines or memory piled up (see the module)."""
     global _ended, _memory_then, _growth_factor
     _ended = [ref for ref in _ended if ref() is not None]
-    now = _memory_mb()
-    if _memory_then is None:
-        _memory_then = now  # (the first world: the measure starts)
     engines = len(_ended) >= ENGINES
-    if engines or now - _memory_then > GROWTH_MB * _growth_factor:
+    # (the measure starts once the first world ended: what it grew by is first-use set-ups, imports and
+    # torch's caches, which a collection at the second world's start walked all objects to find not garbage)
+    if engines or (_memory_then is not None and _memory_mb() - _memory_then > GROWTH_MB * _growth_factor):
         found = gc.collect()
         if not engines:
             _growth_factor = min(_growth_factor * 2, MAX_FACTOR) if found < LITTLE else 1
         _ended = []  # (an engine still alive now is its caller's: it is no garbage to wait for)
+        _give_free_pages_back(grown_by=0)  # (what that collection freed, too)
         _memory_then = _memory_mb()
 
 
@@ -221,10 +259,11 @@ def world_scope(
     world's engine, its reference cycles and what only they keep die then, as a process's
     would, instead of piling up until a collection between worlds.
     """
-    global _thaw_pending, _collect_last
+    global _thaw_pending, _collect_last, _memory_then
     engines: list[object] = []
     thaw: asyncio.TimerHandle | None = None
     with _scope_lock:
+        _give_free_pages_back()  # (first: what the worlds before freed is no growth)
         _patches.acquire(SET_ASIDE)  # (the first scope sets the older objects aside)
         if _froze and loop is not None and not _thaw_pending:
             # (the first scope with a loop: spawn's own begins before its loop exists)
@@ -242,6 +281,8 @@ def world_scope(
             del engines[:]
             _collect_last = collect  # (what the last scope to end asks for is what its release does)
             _patches.release(SET_ASIDE)
+            if _memory_then is None:
+                _memory_then = _memory_mb()
 
 
 def _set_aside() -> Callable[[], None]:
