@@ -9,7 +9,11 @@ comes first) and ``aiocoll run``'s reading of torchrun's parser run with the col
 paused (``PAUSED``), and at the end what they made joins the oldest generation at once
 (``gc.freeze()`` then ``gc.unfreeze()``: whole lists moved, no object walked), as if it
 had survived the young collections, which then never walk it again. Garbage among it
-(little: imports keep what they make) waits for the next full collection.
+(little: imports keep what they make) waits for the next full collection. That one is
+put off, not saved: the interpreter's count of old objects is not told of the move, so
+a program that goes on allocating makes its first full collection sooner than it
+otherwise would (0.1-0.15 s, then as before); a short run (``aiocoll run`` of a small
+script) ends before it, 0.1-0.15 s sooner.
 
 Where some other code froze objects (its own ``gc.freeze()``, or a world's, which sets
 older objects aside while it runs), nothing is moved, as ``gc.unfreeze()`` would give
@@ -48,6 +52,8 @@ def _pause() -> Callable[[], None]:
 
 
 def _resume() -> None:
+    # (a world that set objects aside between the count and the unfreeze, from another thread,
+    # gets them back early, as a long world does (_belongings._thaw): slower, never wrong)
     if gc.get_freeze_count() in (0, STARTUP_FROZEN):  # (a walk of the permanent generation)
         gc.freeze()
         gc.unfreeze()  # into the oldest generation, as a whole

@@ -66,7 +66,7 @@ def test_exception_hierarchy() -> None:
     assert issubclass(aiocoll.GroupTimeoutError, RuntimeError)
 
 
-@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._presence"])
+@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._presence", "aiocoll._collector"])
 def test_doctests(module: str) -> None:
     failures, tried = doctest.testmod(importlib.import_module(module))
     assert tried > 0
