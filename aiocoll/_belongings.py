@@ -289,7 +289,7 @@ def _set_aside() -> Callable[[], None]:
     """The first scope: the older objects set aside, unless someone else froze objects already."""
     global _froze, _epoch, _thaw_pending
     # someone else's frozen objects: gc.unfreeze() at the end would release them too
-    _froze = gc.get_freeze_count() in (0, _collector.STARTUP_FROZEN)  # (a walk of the permanent generation)
+    _froze = _collector.none_frozen()
     if _froze:
         _collect_between_worlds()
         gc.freeze()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from . import _patches
 
-__all__ = ["PAUSED", "STARTUP_FROZEN"]
+__all__ = ["PAUSED", "STARTUP_FROZEN", "none_frozen"]
 
 # What the interpreter itself froze as it started: CPython 3.12 keeps the immortal base and
 # MRO tuples of its static types there (375 on 3.12.1; none on 3.11 and 3.13). Those are
@@ -42,6 +42,14 @@ __all__ = ["PAUSED", "STARTUP_FROZEN"]
 # a count of exactly that many is no sign of another user of gc.freeze(). (Read on 3.12
 # alone: elsewhere a count at import is a program's own gc.freeze(), to be left alone.)
 STARTUP_FROZEN = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 0
+
+
+def none_frozen() -> bool:
+    """Whether no code froze objects (``gc.freeze()``): the interpreter's own at start-up aside.
+
+    A walk of the permanent generation.
+    """
+    return gc.get_freeze_count() in (0, STARTUP_FROZEN)
 
 
 def _pause() -> Callable[[], None]:
@@ -54,7 +62,7 @@ def _pause() -> Callable[[], None]:
 def _resume() -> None:
     # (a world that set objects aside between the count and the unfreeze, from another thread,
     # gets them back early, as a long world does (_belongings._thaw): slower, never wrong)
-    if gc.get_freeze_count() in (0, STARTUP_FROZEN):  # (a walk of the permanent generation)
+    if none_frozen():
         gc.freeze()
         gc.unfreeze()  # into the oldest generation, as a whole
     gc.enable()
