@@ -19,10 +19,12 @@ from . import _collector, _patches
 
 # (the collector paused while aiocoll, and torch with it, imports: see _collector)
 with _patches.lease(_collector.PAUSED):
-    from ._c10d import register, settle
+    from ._bridge._pg import from_process_group
+    from ._c10d._backend import register, settle
     from ._comm import Comm
-    from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
-    from ._engine_comm import rank_generator
+    from ._diagnostics._frdump import dump_flight_recorder
+    from ._engine._engine_comm import rank_generator
+    from ._engine._faults import Fault, InjectedFault, OpInfo
     from ._errors import (
         AiocollError,
         BlockingCallError,
@@ -35,9 +37,7 @@ with _patches.lease(_collector.PAUSED):
         TorchCompatError,
         WorldAbortedError,
     )
-    from ._faults import Fault, InjectedFault, OpInfo
-    from ._frdump import dump_flight_recorder
-    from ._pg import from_process_group
+    from ._lifecycle._config import DEFAULT_RECORD, DEFAULT_TIMEOUT
     from ._spawn import SeedFailure, find_failing_seed, spawn, spawn_async
     from ._stats import RankStatistics, Statistics
     from ._work import Work

@@ -17,7 +17,7 @@ import time
 import torch
 
 import aiocoll
-from aiocoll._record import summarize_trace
+from aiocoll._engine._record import summarize_trace
 
 
 async def _tour(comm: aiocoll.Comm) -> str:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
     if argv[:1] == ["run"]:
-        from aiocoll._run import main as run_main
+        from aiocoll._cli._run import main as run_main
 
         return run_main(argv[1:], exit_when_interrupted=True)
     parser = argparse.ArgumentParser(

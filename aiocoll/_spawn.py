@@ -8,10 +8,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack, overload
 
-from . import _belongings
+from ._c10d import _belongings
 from ._comm import Comm
-from ._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SpawnOptions, WorldConfig, WorldOptions, loop_factory
-from ._driver import WorldRun
+from ._lifecycle._config import DEFAULT_RECORD, DEFAULT_TIMEOUT, SpawnOptions, WorldConfig, WorldOptions, loop_factory
+from ._lifecycle._driver import WorldRun
 
 __all__ = ["DEFAULT_RECORD", "DEFAULT_TIMEOUT", "SeedFailure", "find_failing_seed", "spawn", "spawn_async"]
 

@@ -59,11 +59,11 @@ from _pytest._code.code import ExceptionChainRepr, ExceptionInfo, ReprTracebackN
 
 from . import _watchdog
 from ._comm import Comm
-from ._config import DEFAULT_RECORD, loop_factory
 from ._errors import AiocollError
+from ._lifecycle._config import DEFAULT_RECORD, loop_factory
+from ._lifecycle._worldthread import WorldThread
 from ._spawn import spawn_async
 from ._watchdog import under_deadline
-from ._worldthread import WorldThread
 
 __all__ = ["DEFAULT_TEST_TIMEOUT", "DEFAULT_WORLD", "comm"]
 

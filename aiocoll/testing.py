@@ -82,14 +82,18 @@ from typing import Any
 
 import torch
 
-from . import _belongings, _c10d, _continuous, _harness, _patches, _procworld, _torch
-from ._c10d import AiocollProcessGroup, _C10dComm, _create_process_group
-from ._config import DEFAULT_TIMEOUT, WorldConfig
-from ._driver import HostedRun
-from ._engine import EngineWork, RankState, World, current_rank_state, rank_var
+from . import _patches, _torch
+from ._c10d import _backend as _c10d
+from ._c10d import _belongings
+from ._c10d._backend import AiocollProcessGroup, _C10dComm, _create_process_group
+from ._engine._world import EngineWork, RankState, World, current_rank_state, rank_var
 from ._errors import InvalidArgumentError
-from ._outcome import echoes_abort, warn_unmatched
-from ._worldthread import WorldThread
+from ._harness import _continuous, _harness
+from ._lifecycle import _procworld
+from ._lifecycle._config import DEFAULT_TIMEOUT, WorldConfig
+from ._lifecycle._driver import HostedRun
+from ._lifecycle._outcome import echoes_abort, warn_unmatched
+from ._lifecycle._worldthread import WorldThread
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 

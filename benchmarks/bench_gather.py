@@ -9,7 +9,7 @@ In a ``gather`` row each rank awaits ``asyncio.gather`` of ``tasks`` tasks that 
 ``ops`` 1-element ``all_reduce``s; in an ``await`` row it awaits ``tasks`` tasks one at a
 time (``await asyncio.create_task(...)``), each of one ``all_reduce``. With the look on
 (the default), a deadlock among them is a ``DeadlockError`` at once; off
-(``aiocoll._tasks._GATHER_SCAN = -1``, for this comparison only), it is reported at the
+(``aiocoll._engine._tasks._GATHER_SCAN = -1``, for this comparison only), it is reported at the
 timeout. Both run in the same process, alternating (off, on, off, on, ...); the table
 shows the medians over the repeats and the ratio on/off. Ranks that await their ops
 themselves, one at a time, never look into a gather: ``bench_ceilings.py`` covers them.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 import aiocoll
-from aiocoll import _tasks
+from aiocoll._engine import _tasks
 
 SCAN = _tasks._GATHER_SCAN
 

@@ -169,7 +169,8 @@ def _instrument(parts: _Parts, system: str) -> None:
         setattr(dist, name, parts.wrap("start" if name.startswith("init") else "end", getattr(dist, name)))
     groups: list[type] = [ProcessLocalGroup]
     if system == "aiocoll":
-        from aiocoll import _c10d, _driver
+        from aiocoll._c10d import _backend as _c10d
+        from aiocoll._lifecycle import _driver
 
         groups.append(_c10d.AiocollProcessGroup)
         _c10d.AiocollWork.wait = parts.wrap("collectives", _c10d.AiocollWork.wait)  # type: ignore[method-assign]

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import aiocoll
 import aiocoll.testing
-from aiocoll import _patches, _run
+from aiocoll import _patches
+from aiocoll._cli import _run
 
 outcomes: dict[str, str] = {}
 

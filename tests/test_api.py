@@ -12,10 +12,10 @@ import torch
 
 import aiocoll
 from aiocoll import Comm, RankStatistics, Statistics
-from aiocoll._engine import EngineWork
-from aiocoll._engine_comm import EngineComm
+from aiocoll._bridge._pg import PGWork, ProcessGroupComm
+from aiocoll._engine._engine_comm import EngineComm
+from aiocoll._engine._world import EngineWork
 from aiocoll._ops import Barrier
-from aiocoll._pg import PGWork, ProcessGroupComm
 
 
 def test_public_names() -> None:
@@ -66,7 +66,9 @@ def test_exception_hierarchy() -> None:
     assert issubclass(aiocoll.GroupTimeoutError, RuntimeError)
 
 
-@pytest.mark.parametrize("module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._presence", "aiocoll._collector"])
+@pytest.mark.parametrize(
+    "module", ["aiocoll._ops", "aiocoll._spawn", "aiocoll._bridge._presence", "aiocoll._collector"]
+)
 def test_doctests(module: str) -> None:
     failures, tried = doctest.testmod(importlib.import_module(module))
     assert tried > 0

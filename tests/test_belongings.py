@@ -1,4 +1,4 @@
-"""A world leaves nothing behind: what its ranks made is released when it ends (``aiocoll._belongings``).
+"""A world leaves nothing behind: what its ranks made is released when it ends (``aiocoll._c10d._belongings``).
 
 The loops of worlds here run the program ``benchmarks/bench_leftovers.py`` measures
 (DeviceMesh, DTensor, TP, FSDP2, DCP), through each way into aiocoll, fewer times.
@@ -28,9 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import aiocoll
-from aiocoll import _belongings, _collector, _torch
-from aiocoll._engine import current_rank_state
-from aiocoll._harness import Settings
+from aiocoll import _collector, _torch
+from aiocoll._c10d import _belongings
+from aiocoll._engine._world import current_rank_state
+from aiocoll._harness._harness import Settings
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # Without release, each world of the program leaves about 2,400 (torch 2.10) to 8,600
@@ -393,7 +394,7 @@ def test_a_world_s_engine_dies_when_its_caller_lets_it_go(entry: str) -> None:
     # an engine is reference cycles (its parts refer to it), which die once the caller lets
     # it go, after the world's end: spawn and the harness's worlds collect them then, the
     # older objects still set aside, instead of leaving them to pile up between worlds
-    from aiocoll._procworld import InProcessWorld
+    from aiocoll._lifecycle._procworld import InProcessWorld
 
     engines: list[weakref.ref[Any]] = []
 
@@ -594,9 +595,9 @@ import ctypes, sys, unittest
 import torch.distributed as dist
 from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-import aiocoll.testing, aiocoll._procworld, aiocoll._watchdog
+import aiocoll.testing, aiocoll._lifecycle._procworld, aiocoll._watchdog
 
-aiocoll._procworld.GRACE = 0.5
+aiocoll._lifecycle._procworld.GRACE = 0.5
 aiocoll._watchdog.MARGIN = 1.0
 common_distributed.TIMEOUT_OVERRIDE["test_holds_the_gil"] = 1
 
@@ -686,7 +687,8 @@ def test_a_world_s_dtensor_specs_die_with_it_whatever_torch_leaks() -> None:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 
-    from aiocoll import _c10d, _patches
+    from aiocoll import _patches
+    from aiocoll._c10d import _backend as _c10d
 
     with _patches.lease(_c10d.OPSCHEMA_LEAK):
         spec = DTensorSpec(mesh=None, placements=(), tensor_meta=None)  # type: ignore[arg-type]

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import _cuda, _device
-from aiocoll._ops import AllGather, AllReduce, Reduce, ReduceScatterTensor, Reduction
+from aiocoll._ops import AllGather, AllReduce, Reduce, ReduceScatterTensor, Reduction, _cuda, _device
 
 SUM = Reduction.of(dist.ReduceOp.SUM)
 CUDA0 = torch.device("cuda", 0)

@@ -22,12 +22,22 @@ TESTING_PUBLIC = list(aiocoll.testing.__all__)
 
 # every module of the package but the demo (``python -m aiocoll``)
 MODULES = sorted(
-    ["aiocoll"] + [f"aiocoll.{m.name}" for m in pkgutil.iter_modules(aiocoll.__path__) if m.name != "__main__"]
+    ["aiocoll"] + [m.name for m in pkgutil.walk_packages(aiocoll.__path__, "aiocoll.") if m.name != "aiocoll.__main__"]
 )
 # the modules that hold the public API's runnable examples: they must keep some
 WITH_EXAMPLES = {
     f"aiocoll.{m}"
-    for m in ("_c10d", "_comm", "_engine", "_engine_comm", "_errors", "_ops", "_spawn", "_stats", "_work")
+    for m in (
+        "_c10d._backend",
+        "_comm",
+        "_engine._world",
+        "_engine._engine_comm",
+        "_errors",
+        "_ops",
+        "_spawn",
+        "_stats",
+        "_work",
+    )
 }
 
 
@@ -42,7 +52,7 @@ def _public_methods(cls: type) -> list[str]:
 
 def _attribute_doc(name: str) -> str | None:
     """The docstring under a module-level ``name = ...`` in some module of aiocoll (constants have no __doc__)."""
-    for path in Path(aiocoll.__file__).parent.glob("*.py"):
+    for path in sorted(Path(aiocoll.__file__).parent.rglob("*.py")):
         for node, nxt in itertools.pairwise(ast.parse(path.read_text(encoding="utf-8")).body):
             if isinstance(node, ast.Assign):
                 targets = node.targets

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import _c10d, _driver, _patches
-from aiocoll._config import SpawnOptions, WorldConfig, WorldOptions
-from aiocoll._driver import WorldRun
+from aiocoll import _patches
+from aiocoll._c10d import _backend as _c10d
+from aiocoll._lifecycle import _driver
+from aiocoll._lifecycle._config import SpawnOptions, WorldConfig, WorldOptions
+from aiocoll._lifecycle._driver import WorldRun
 
 
 def test_every_keyword_is_a_field_of_the_config() -> None:
@@ -64,7 +66,7 @@ def test_find_failing_seed_passes_the_other_keywords_on() -> None:
     seen: list[float | None] = []
 
     async def fn(comm: aiocoll.Comm) -> None:
-        from aiocoll._engine import current_rank_state
+        from aiocoll._engine._world import current_rank_state
 
         st = current_rank_state()
         assert st is not None
@@ -134,7 +136,7 @@ def test_a_world_run_runs_once() -> None:
 
 
 def _hosted(size: int) -> tuple[_driver.HostedRun, typing.Any]:
-    from aiocoll._worldthread import WorldThread
+    from aiocoll._lifecycle._worldthread import WorldThread
 
     run = _driver.HostedRun(WorldConfig(size, c10d="off", sync_ranks="parallel", timeout=30))
     wt: WorldThread[list[object]] = WorldThread(run.run, "asyncio")
@@ -145,8 +147,8 @@ def _hosted(size: int) -> tuple[_driver.HostedRun, typing.Any]:
 def test_a_hosted_world_gives_up_on_ranks_that_never_end_and_fails_their_waits() -> None:
     import threading
 
-    from aiocoll._engine import rank_var
-    from aiocoll._engine_comm import EngineComm
+    from aiocoll._engine._engine_comm import EngineComm
+    from aiocoll._engine._world import rank_var
 
     run, wt = _hosted(2)
     w = run.world()

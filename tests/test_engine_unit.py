@@ -29,12 +29,12 @@ from aiocoll import (
     InjectedFault,
     WorldAbortedError,
 )
-from aiocoll._engine import EngineWork, World
-from aiocoll._faults import FaultPlan
-from aiocoll._groups import Group
-from aiocoll._inject import FaultProbe
+from aiocoll._engine._faults import FaultPlan
+from aiocoll._engine._groups import Group
+from aiocoll._engine._inject import FaultProbe
+from aiocoll._engine._record import Recorder
+from aiocoll._engine._world import EngineWork, World
 from aiocoll._ops import AllReduce, Barrier, Recv, Reduction, Send
-from aiocoll._record import Recorder
 
 SUM = Reduction.of("sum")
 WAIT = 30.0  # seconds: a bound on waits that should end at once, so a bug fails instead of hanging
@@ -321,7 +321,7 @@ async def test_a_rank_that_ends_while_the_others_wait_is_a_deadlock() -> None:
     world.park(w0)
     world.park(w1)
     assert not w0.done()  # rank 2 is live: it may yet arrive
-    world.ranks[2].phase = aiocoll._engine.Phase.RETURNED
+    world.ranks[2].phase = aiocoll._engine._world.Phase.RETURNED
     world.ranks[2].leave()
     assert isinstance(error(w0), DeadlockError)
     assert "rank 2: returned" in str(error(w0))

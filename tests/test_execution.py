@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import aiocoll
-from aiocoll import _device
-from aiocoll._ops import AllReduce, Reduction
+from aiocoll._ops import AllReduce, Reduction, _device
 
 BIG = 1 << 20  # elements: 4 MiB of float32 per rank, well above the inline limit
 
@@ -169,7 +168,7 @@ def test_latch_for_thread_waits() -> None:
     # the one-lock latch rank threads wait on: Event's semantics, every waiter released by one set()
     import threading
 
-    from aiocoll._engine import _Latch
+    from aiocoll._engine._world import _Latch
 
     latch = _Latch()
     assert not latch.wait(0)

@@ -21,13 +21,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    Comm,
-    DeadlockError,
-    WorldAbortedError,
-)
+from aiocoll import CollectiveMismatchError, CollectiveTimeoutError, Comm, DeadlockError, WorldAbortedError
 
 RankFn = Callable[[Comm], Coroutine[Any, Any, Any]]
 

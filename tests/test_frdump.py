@@ -142,7 +142,7 @@ def test_on_demand_dump_of_a_healthy_world_has_no_errors(tmp_path: Path, monkeyp
         dump = pickle.load(f)
     assert {"version", "pg_config", "pg_status", "entries"} <= set(dump)
     names = [e["profiling_name"] for e in dump["entries"]]
-    # the send/recv completed: left out (see aiocoll._frdump); the sub-group's op is there
+    # the send/recv completed: left out (see aiocoll._diagnostics._frdump); the sub-group's op is there
     assert names == [
         "nccl:all_reduce",
         "nccl:broadcast",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-import aiocoll._grouptimeouts
+import aiocoll._engine._grouptimeouts
 from aiocoll import Comm
 
 
@@ -113,7 +113,7 @@ def test_torch_s_default_timeout_is_not_a_group_s_own() -> None:
             for t in (None, timedelta(minutes=30), timedelta(seconds=5))
         ]
 
-    stretch = aiocoll._grouptimeouts.slowdown(2)
+    stretch = aiocoll._engine._grouptimeouts.slowdown(2)
     assert aiocoll.spawn(fn, world=2, timeout=None)[0] == [None, None, (5.0, 5.0 * stretch)]
 
 

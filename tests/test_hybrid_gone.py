@@ -3,7 +3,7 @@
 Gloo processes on 127.0.0.1 (this file, run as a script, is the per-process runner; a
 FileStore does the rendezvous), each running two async ranks of one hybrid world. Every
 world's timeout is 60 s, so an error within 2 s comes from the heartbeats
-(``aiocoll._presence``), not from a timeout. One launch per case, as a process dies in each:
+(``aiocoll._bridge._presence``), not from a timeout. One launch per case, as a process dies in each:
 
 * 2 processes: process 1's ranks return early and the process exits (``sys.exit``) while
   process 0's ranks wait for them: rank 0 in an all_reduce, rank 1 in a recv;
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll._presence import Presence
+from aiocoll._bridge._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_process_group import hold_gil, linger, play_presence, run_processes

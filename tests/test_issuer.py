@@ -27,7 +27,7 @@ from aiocoll import (
     WorldAbortedError,
 )
 from aiocoll import _ops as ops
-from aiocoll._pgissue import Issuer
+from aiocoll._bridge._pgissue import Issuer
 
 BACKEND = "aiocoll_fake_issuer"
 

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from aiocoll import _libstate
+from aiocoll._process import _libstate
 
 
 @pytest.fixture

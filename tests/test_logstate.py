@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from aiocoll import _patches, _procstate
-from aiocoll._procstate import RankEnviron
+from aiocoll import _patches
+from aiocoll._process import _procstate
+from aiocoll._process._procstate import RankEnviron
 
 
 @pytest.fixture

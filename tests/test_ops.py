@@ -930,7 +930,7 @@ def test_all_gather_into_tensor_2d_and_empty() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, torch.complex64])
 def test_large_sums_add_in_rank_order(dtype: torch.dtype) -> None:
-    from aiocoll._reduce import _CHAIN_MIN, Reduction, reduce_tensors
+    from aiocoll._ops._reduce import _CHAIN_MIN, Reduction, reduce_tensors
 
     gen = torch.Generator().manual_seed(0)
     ts = [(torch.randn(_CHAIN_MIN, generator=gen) * 100).to(dtype) for _ in range(7)]
@@ -943,7 +943,7 @@ def test_large_sums_add_in_rank_order(dtype: torch.dtype) -> None:
 
 
 def test_large_half_sums_accumulate_once() -> None:
-    from aiocoll._reduce import _CHAIN_MIN, Reduction, reduce_tensors
+    from aiocoll._ops._reduce import _CHAIN_MIN, Reduction, reduce_tensors
 
     ts = [torch.full((_CHAIN_MIN,), 0.1, dtype=torch.bfloat16) for _ in range(64)]
     got = reduce_tensors(ts, Reduction.of(dist.ReduceOp.SUM))
@@ -954,7 +954,7 @@ def test_large_half_sums_accumulate_once() -> None:
 
 def test_large_all_reduce_in_place_and_with_shared_storage() -> None:
     from aiocoll._ops import AllReduce
-    from aiocoll._reduce import _CHAIN_MIN, Reduction
+    from aiocoll._ops._reduce import _CHAIN_MIN, Reduction
 
     red = Reduction.of(dist.ReduceOp.SUM)
     ts = [torch.full((_CHAIN_MIN,), float(r + 1)) for r in range(3)]

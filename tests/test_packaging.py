@@ -23,12 +23,14 @@ from email.message import Message
 from email.parser import Parser
 from pathlib import Path
 
+import _layout as layout
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 NAME, VERSION = PROJECT["name"], PROJECT["version"]
-MODULES = sorted(p.name for p in (ROOT / "aiocoll").glob("*.py"))
+# every module of every subpackage, as a path inside the package
+MODULES = sorted(p.relative_to(ROOT / "aiocoll").as_posix() for p in (ROOT / "aiocoll").rglob("*.py"))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("build") is None, reason="build is part of the [test] extra")
 
@@ -98,13 +100,14 @@ def test_sdist_contents(dists: tuple[Path, Path]) -> None:
 
 # Imported only by aiocoll.pytest_plugin, which pytest itself loads (entry point pytest11).
 HOST_PROVIDED = {"pytest", "_pytest"}
+KNOWN = layout.modules()
 
 
-def _imports(path: Path) -> tuple[set[str], set[str], set[str]]:
-    """What a module imports: (third-party names, those under ``except ImportError``, aiocoll's own modules)."""
+def _imports(name: str, path: Path) -> tuple[set[str], set[str], set[str]]:
+    """What module ``name`` imports: (third-party names, those under ``except ImportError``, aiocoll's own modules)."""
     plain: set[str] = set()
     guarded: set[str] = set()
-    own: set[str] = set()
+    own = {i.target for i in layout.imports(name, path, KNOWN)}
 
     def visit(node: ast.AST, in_guard: bool) -> None:
         if isinstance(node, ast.Try):
@@ -120,13 +123,9 @@ def _imports(path: Path) -> tuple[set[str], set[str], set[str]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        elif isinstance(node, ast.ImportFrom):  # relative: a sibling module
-            own.update([node.module.partition(".")[0]] if node.module else [a.name for a in node.names])
         for n in names:
-            top, _, rest = n.partition(".")
-            if top == "aiocoll":
-                own.add(rest.partition(".")[0] or "__init__")
-            elif top not in sys.stdlib_module_names:
+            top = n.partition(".")[0]
+            if top != "aiocoll" and top not in sys.stdlib_module_names:
                 (guarded if in_guard else plain).add(top)
         for child in ast.iter_child_nodes(node):
             visit(child, in_guard)
@@ -161,8 +160,8 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     # its host loads (the demo, aiocoll.testing, the pytest plugin) need nothing more
     # than those and their host, and every import the code can do without has an extra
     # of its name. (Each import name here is also its distribution's name.)
-    imports = {p.stem: _imports(p) for p in (ROOT / "aiocoll").glob("*.py")}
-    core, todo = set(), ["__init__"]
+    imports = {name: _imports(name, path) for name, path in KNOWN.items()}
+    core, todo = set(), ["aiocoll"]
     while todo:
         m = todo.pop()
         if m not in core and m in imports:
@@ -172,8 +171,8 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     assert "torch" in needed
     assert required == needed, f"import aiocoll needs {sorted(needed)}, the wheel requires {sorted(required)}"
     for m, (plain, guarded, _) in imports.items():
-        assert plain <= required | HOST_PROVIDED, f"aiocoll/{m}.py imports {sorted(plain - required)}, undeclared"
-        assert {(n, n) for n in guarded} <= by_extra, f"aiocoll/{m}.py may import {sorted(guarded)}: no extra for it"
+        assert plain <= required | HOST_PROVIDED, f"{m} imports {sorted(plain - required)}, undeclared"
+        assert {(n, n) for n in guarded} <= by_extra, f"{m} may import {sorted(guarded)}: no extra for it"
 
 
 def test_wheel_installs_and_imports(dists: tuple[Path, Path], tmp_path: Path) -> None:
@@ -192,7 +191,7 @@ def test_wheel_installs_and_imports(dists: tuple[Path, Path], tmp_path: Path) ->
     )
     probe = textwrap.dedent(
         """
-        import importlib.metadata, importlib.resources, json, torch, aiocoll, aiocoll.testing
+        import importlib, importlib.metadata, importlib.resources, json, pkgutil, torch, aiocoll, aiocoll.testing
 
         async def worker(comm):
             t = torch.ones(1)
@@ -205,6 +204,12 @@ def test_wheel_installs_and_imports(dists: tuple[Path, Path], tmp_path: Path) ->
             "dist": str(importlib.metadata.distribution("aiocoll").locate_file("")),
             "typed": (importlib.resources.files("aiocoll") / "py.typed").is_file(),
             "spawn": aiocoll.spawn(worker, world=2),
+            # every module of every subpackage, imported from the installed copy
+            "modules": {
+                m.name: importlib.import_module(m.name).__file__
+                for m in pkgutil.walk_packages(aiocoll.__path__, "aiocoll.")
+                if m.name != "aiocoll.__main__"
+            },
         }))
         """
     )
@@ -217,3 +222,7 @@ def test_wheel_installs_and_imports(dists: tuple[Path, Path], tmp_path: Path) ->
     assert got["version"] == VERSION
     assert got["typed"] is True
     assert got["spawn"] == [2.0, 2.0]
+    # a normal install carries every subpackage: each module of the source tree is there, and
+    # is imported from the install (a subpackage left out of the wheel would come from nowhere)
+    assert set(got["modules"]) == set(KNOWN) - {"aiocoll", "aiocoll.__main__"}
+    assert all(Path(f).is_relative_to(site) for f in got["modules"].values()), got["modules"]

@@ -141,7 +141,7 @@ def test_a_change_the_set_does_not_declare_is_refused() -> None:
 
 
 def test_every_set_aiocoll_declares_is_named_once_and_explained() -> None:
-    import aiocoll._run
+    import aiocoll._cli._run
     import aiocoll.testing  # noqa: F401  (the modules that declare the rest)
 
     sets = _patches.declared()
@@ -156,13 +156,13 @@ def test_every_set_aiocoll_declares_is_named_once_and_explained() -> None:
 
 
 def test_the_design_page_lists_every_patch_set() -> None:
-    import aiocoll._run
+    import aiocoll._cli._run
     import aiocoll.testing  # noqa: F401
 
     page = (HERE.parent / "docs" / "design.md").read_text()
     start, end = "<!-- patch sets: generated -->\n", "\n<!-- patch sets: end -->"
     listed = page[page.index(start) + len(start) : page.index(end)]
-    regenerate = "python -c 'import aiocoll._run, aiocoll.testing, aiocoll._patches as p; print(p.table())'"
+    regenerate = "python -c 'import aiocoll._cli._run, aiocoll.testing, aiocoll._patches as p; print(p.table())'"
     assert listed == _patches.table(), f"the table is out of date; regenerate it: {regenerate}"
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from aiocoll import _presence
-from aiocoll._presence import Presence, _stat
+from aiocoll._bridge import _presence
+from aiocoll._bridge._presence import Presence, _stat
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll._presence import Presence
+from aiocoll._bridge._presence import Presence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_process_group import hold_gil, linger, play_presence, run_processes

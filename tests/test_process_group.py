@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import aiocoll
-from aiocoll import _pgbridge
-from aiocoll._presence import Presence
+from aiocoll._bridge import _pgbridge
+from aiocoll._bridge._presence import Presence
 
 WORLD = 4
 LAUNCH_TIMEOUT = 120.0

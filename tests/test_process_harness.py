@@ -52,13 +52,13 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 import aiocoll
-import aiocoll._grouptimeouts
-import aiocoll._harness
+import aiocoll._engine._grouptimeouts
+import aiocoll._harness._harness
 import aiocoll._torch
-from aiocoll import _libstate
-from aiocoll._c10d import AiocollProcessGroup
-from aiocoll._harness import Settings
-from aiocoll._procstate import PID_FLOOR, OnePerProcess
+from aiocoll._c10d._backend import AiocollProcessGroup
+from aiocoll._harness._harness import Settings
+from aiocoll._process import _libstate
+from aiocoll._process._procstate import PID_FLOOR, OnePerProcess
 from aiocoll.testing import ProcessHarnessReplacement, replace_process_harness
 
 # ranks record here what the pytest tests then check (one process: they can)
@@ -784,7 +784,7 @@ def test_hang_becomes_a_report(harness: ProcessHarnessReplacement, monkeypatch: 
     monkeypatch.setitem(common_distributed.TIMEOUT_OVERRIDE, "test_past_the_timeout", 1)
     # the deadline scales with the cores (up to the 4 ranks): pinned, so that the 2.5 s
     # sleep outlasts it on any machine (with 16 cores it did not: the test passed)
-    monkeypatch.setattr(aiocoll._grouptimeouts, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(aiocoll._engine._grouptimeouts, "usable_cpus", lambda: 2)
     t0 = time.monotonic()
     failure = _failure_of(run_case(Failures, "test_past_the_timeout"))
     assert time.monotonic() - t0 < 10
@@ -1120,7 +1120,7 @@ def test_atexit_registrations_of_libraries_and_imports_stay_the_processs() -> No
     # made: run at a rank's end, it would end every finalizer of the process
     from types import SimpleNamespace
 
-    from aiocoll._procstate import RankExit
+    from aiocoll._process._procstate import RankExit
 
     def frame(name: str, filename: str) -> Any:
         return SimpleNamespace(f_code=SimpleNamespace(co_name=name, co_filename=filename))
@@ -1140,7 +1140,7 @@ def _forked_child(seen: Any) -> None:
 
 def test_a_process_forked_by_a_rank_is_a_process_of_its_own() -> None:
     """A DataLoader worker, say: it inherits its rank's environment, and its exit is its own (it hung before)."""
-    from aiocoll._procworld import InProcessWorld
+    from aiocoll._lifecycle._procworld import InProcessWorld
 
     fork = multiprocessing.get_context("fork")
     got: dict[int, tuple[int | None, str]] = {}

@@ -13,7 +13,7 @@ import torch
 
 import aiocoll
 from aiocoll import Comm
-from aiocoll._record import Recorder, Stamp, format_signature, summarize_trace
+from aiocoll._engine._record import Recorder, Stamp, format_signature, summarize_trace
 
 
 def _notes(e: BaseException) -> str:

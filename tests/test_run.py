@@ -324,7 +324,7 @@ if sys.argv[1:] == ["kill"]:
 
 
 def test_each_rank_has_a_pid_of_its_own_and_the_system_never_sees_it(tmp_path: Path) -> None:
-    from aiocoll._procstate import PID_FLOOR
+    from aiocoll._process._procstate import PID_FLOOR
 
     name = script(tmp_path, "pids.py", PIDS)
     proc = run(tmp_path, "--nproc-per-node", "3", name)
@@ -486,7 +486,7 @@ def test_a_script_that_cannot_run_is_reported_as_python_reports_it(tmp_path: Pat
 def test_help_and_a_missing_script(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiocoll._run import main
+    from aiocoll._cli._run import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["--nproc-per-node", "2", "nowhere.py"]) == 2
@@ -532,7 +532,7 @@ REFUSED = [
 def test_options_one_process_cannot_honour_are_refused_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], said: str
 ) -> None:
-    from aiocoll._run import main
+    from aiocoll._cli._run import main
 
     name = str(tmp_path / script(tmp_path, "x.py", "raise SystemExit('ran')\n"))
     assert main([*options, name]) == 2
@@ -543,14 +543,14 @@ def test_options_one_process_cannot_honour_are_refused_before_anything_runs(
 
 @pytest.mark.parametrize(("options", "said"), REFUSED)
 def test_the_run_spec_refuses_what_one_process_cannot_honour(options: list[str], said: str) -> None:
-    from aiocoll._run import RunSpec, _Refused, parser
+    from aiocoll._cli._run import RunSpec, _Refused, parser
 
     with pytest.raises(_Refused, match=re.escape(said)):
         RunSpec.of(parser().parse_args([*options, "x.py"]))
 
 
 def test_the_run_spec_is_the_command_line_checked_and_typed() -> None:
-    from aiocoll._run import RunSpec, parser
+    from aiocoll._cli._run import RunSpec, parser
 
     argv = ["--nproc-per-node", "3", "--max-restarts", "2", "--timeout", "7", "--sync-ranks", "parallel"]
     argv += ["--schedule-seed", "5", "--master-port", "1234", "--role", "trainer", "-m", "pkg.train", "--lr", "0.1"]
@@ -840,7 +840,7 @@ def test_spawned_ranks_left_unjoined_finish_as_at_a_process_s_exit(tmp_path: Pat
 def test_the_routed_binary_layer_keeps_a_character_split_across_writes() -> None:
     import io
 
-    from aiocoll import _runlogs
+    from aiocoll._cli import _runlogs
 
     console = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
     router = _runlogs._Router(console, {})
@@ -1068,7 +1068,7 @@ def test_the_flight_recorder_s_dumps_carry_each_rank_s_seed_and_torch_s_analyzer
     dumps = sorted((tmp_path / "dumps").iterdir())
     assert len(dumps) == 3
     seeds = [pickle.loads(p.read_bytes())["aiocoll_rank_seed"] for p in dumps]
-    from aiocoll._locals import Seeds
+    from aiocoll._process._locals import Seeds
 
     assert seeds == list(Seeds(11).attempt(0).of(3))
     analyzed = subprocess.run(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocoll._locals import Seeds
+from aiocoll._process._locals import Seeds
 
 pytestmark = pytest.mark.processes
 

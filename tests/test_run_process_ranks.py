@@ -1,4 +1,4 @@
-"""``multiprocessing.Process`` ranks under ``aiocoll run`` (``aiocoll._mpprocess``), against ``python``.
+"""``multiprocessing.Process`` ranks under ``aiocoll run`` (``aiocoll._cli._mpprocess``), against ``python``.
 
 A ``Process`` whose code initialises torch.distributed is a rank in the run's process; the
 script sees what it sees under ``python``: results, exit codes, ``pid``, ``current_process()``.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from aiocoll import _mpprocess
-from aiocoll._procstate import PID_FLOOR
+from aiocoll._cli import _mpprocess
+from aiocoll._process._procstate import PID_FLOOR
 
 launcher = pytest.mark.launcher
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocoll._scriptread import Need, read
+from aiocoll._cli._scriptread import Need, read
 
 
 def write(path: Path, body: str) -> str:

@@ -1,9 +1,11 @@
-"""The package's shape: no import cycles among its modules when the code runs.
+"""The package's shape: its layers on disk, in order, and no import cycles among its modules.
 
-Every import that runs counts, wherever it is: at the top or inside a function (a cycle
-hidden in a function is still two modules that need each other at run time). An import
-under ``if TYPE_CHECKING:`` does not: it names a type for the checker and never runs, and
-it is how a module says what it needs of another instead of a mirror Protocol.
+Every import counts, wherever it is: at the top, inside a function (a cycle hidden in a
+function is still two modules that need each other at run time), or under
+``if TYPE_CHECKING:`` for the layer order (a type named from a layer above is a layer that
+knows of the one above it). Cycles count run-time imports only: under ``TYPE_CHECKING`` a
+module names a type for the checker, and that is how it says what it needs of another
+instead of a mirror Protocol.
 """
 
 from __future__ import annotations
@@ -12,61 +14,73 @@ import ast
 from pathlib import Path
 
 import pytest
+from _layout import ROOT, Import, graph, imports, modules
 
-PACKAGE = "aiocoll"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
-MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+# The layers, from the bottom up (docs/design.md, "The layers on disk"): a module imports its
+# own layer's modules and those of the layers below it, never one above. A package stands for
+# every module in it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "foundation",
+        (
+            "aiocoll._errors",
+            "aiocoll._patches",
+            "aiocoll._paths",
+            "aiocoll._stats",
+            "aiocoll._current",
+            "aiocoll._collector",
+            "aiocoll._watchdog",
+        ),
+    ),
+    ("torch internals", ("aiocoll._torch",)),
+    ("a rank's process", ("aiocoll._process",)),
+    ("op semantics", ("aiocoll._ops",)),
+    ("the API's objects", ("aiocoll._work", "aiocoll._comm")),
+    ("engine", ("aiocoll._engine",)),
+    ("diagnostics", ("aiocoll._diagnostics",)),
+    ("torch.distributed", ("aiocoll._c10d",)),
+    ("real process groups", ("aiocoll._bridge",)),
+    ("a world's run", ("aiocoll._lifecycle",)),
+    ("spawn", ("aiocoll._spawn",)),
+    ("torch's harnesses", ("aiocoll._harness",)),
+    ("aiocoll run", ("aiocoll._cli",)),
+    ("the faces", ("aiocoll", "aiocoll.testing", "aiocoll.pytest_plugin", "aiocoll.__main__")),
+)
 
-
-def _imports(path: Path) -> set[str]:
-    """The modules of the package that ``path`` imports anywhere ("__init__" for the package itself)."""
-    out: set[str] = set()
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for stmt in block.body
-        for n in ast.walk(stmt)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == PACKAGE:
-                    out.add(parts[1] if len(parts) > 1 else "__init__")
-        elif isinstance(node, ast.ImportFrom):
-            if node.level > 1:
-                pytest.fail(f"{path.name}: a relative import reaches outside the flat package")
-            if node.level == 1:
-                parts = node.module.split(".") if node.module else []
-            elif node.module is not None and node.module.split(".")[0] == PACKAGE:
-                parts = node.module.split(".")[1:]
-            else:
-                continue
-            if parts:
-                out.add(parts[0])
-            else:  # from . import x / from aiocoll import x: a module, or a name of the package's own
-                out.update(a.name if a.name in MODULES else "__init__" for a in node.names)
-    return out
-
-
-def _graph() -> dict[str, set[str]]:
-    return {m: _imports(ROOT / f"{m}.py") - {m} for m in MODULES}
+# Types named from a layer above, each with its reason. Nothing else may look up.
+LOOKS_UP = {
+    ("aiocoll._current", "aiocoll._engine._world"): "the slot that says which rank runs holds the engine's "
+    "RankState; the slot sits below torch's adapter, which reads it",
+}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as [a, b, ..., a], or None if it has none (depth-first search)."""
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that holds ``module`` (the longest entry that names it or its package)."""
+    best, at = "", -1
+    for i, (_, members) in enumerate(LAYERS):
+        for m in members:
+            inside = module.startswith(m + ".") and m != "aiocoll"  # the package's face holds only itself
+            if (module == m or inside) and len(m) > len(best):
+                best, at = m, i
+    if at < 0:
+        raise LookupError(f"{module} is in no layer: add it to LAYERS (and to docs/design.md)")
+    return at
+
+
+def _runtime(g: dict[str, list[Import]]) -> dict[str, set[str]]:
+    return {m: {i.target for i in found if not i.typing_only} for m, found in g.items()}
+
+
+def _cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``g`` as [a, b, ..., a], or None if it has none (depth-first search)."""
     WHITE, GREY, BLACK = 0, 1, 2
-    color = dict.fromkeys(graph, WHITE)
+    color = dict.fromkeys(g, WHITE)
     stack: list[str] = []
 
     def visit(m: str) -> list[str] | None:
         color[m] = GREY
         stack.append(m)
-        for dep in sorted(graph.get(m, ())):
+        for dep in sorted(g.get(m, ())):
             if color.get(dep, BLACK) == GREY:
                 return [*stack[stack.index(dep) :], dep]
             if color.get(dep) == WHITE:
@@ -77,7 +91,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         color[m] = BLACK
         return None
 
-    for m in sorted(graph):
+    for m in sorted(g):
         if color[m] == WHITE:
             found = visit(m)
             if found is not None:
@@ -86,39 +100,99 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
-    # the checker itself: imports at the top and in functions count, those under TYPE_CHECKING not
-    src = tmp_path / "m.py"
+    # the reader itself: imports at the top, in functions and for types; relative ones resolved
+    # against the module's own package, a package's face counted as its own module
+    pkg = tmp_path / "aiocoll"
+    for rel in (
+        "__init__.py",
+        "_ops/__init__.py",
+        "_ops/_cuda.py",
+        "_engine/__init__.py",
+        "_engine/_world.py",
+        "_engine/_faults.py",
+        "_bridge/__init__.py",
+        "_bridge/_hybrid.py",
+        "_bridge/_pg.py",
+        "_spawn.py",
+    ):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("", encoding="utf-8")
+    src = pkg / "_engine" / "_world.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
         "import aiocoll\n"
-        "from . import _ops as ops\n"
-        "from ._engine import World\n"
+        "from .. import _ops as ops\n"
+        "from ._faults import Fault\n"
         "if TYPE_CHECKING:\n"
-        "    from ._faults import Fault\n"
-        "else:\n"
-        "    from ._hybrid import HybridWorld\n"
+        "    from .._bridge._hybrid import HybridWorld\n"
         "def f():\n"
-        "    from . import _cuda\n"
-        "    import aiocoll._pg\n"
+        "    from .._ops import _cuda\n"
+        "    import aiocoll._bridge._pg\n"
         "    from aiocoll._spawn import spawn\n"
-        "    from . import Comm\n",
+        "    from .. import Comm\n",
         encoding="utf-8",
     )
-    assert _imports(src) == {"__init__", "_ops", "_engine", "_hybrid", "_cuda", "_pg", "_spawn"}
+    found = {(i.target, i.typing_only) for i in imports("aiocoll._engine._world", src, modules(pkg))}
+    assert found == {
+        ("aiocoll", False),
+        ("aiocoll._ops", False),
+        ("aiocoll._engine._faults", False),
+        ("aiocoll._bridge._hybrid", True),
+        ("aiocoll._ops._cuda", False),
+        ("aiocoll._bridge._pg", False),
+        ("aiocoll._spawn", False),
+    }
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    assert layer_of("aiocoll._engine._world") == layer_of("aiocoll._engine") > layer_of("aiocoll._ops._cuda")
+    with pytest.raises(LookupError):
+        layer_of("aiocoll._nowhere")
 
 
 def test_known_modules_are_seen() -> None:
-    graph = _graph()
-    assert {"_engine", "_comm", "_pg", "_cuda", "_device", "_faults"} <= set(graph)
-    assert "_engine" in graph["_driver"]  # a guard: the parse finds real edges
+    g = _runtime(graph())
+    assert {"aiocoll._engine._world", "aiocoll._comm", "aiocoll._bridge._pg", "aiocoll._ops._cuda"} <= set(g)
+    assert "aiocoll._engine._world" in g["aiocoll._lifecycle._driver"]  # a guard: the parse finds real edges
+
+
+def test_every_module_has_a_layer_and_every_layer_has_modules() -> None:
+    names = modules()
+    for m in names:
+        layer_of(m)  # raises for a module in no layer
+    for title, members in LAYERS:
+        for member in members:
+            assert any(m == member or m.startswith(member + ".") for m in names), f"{title}: {member} is not there"
+
+
+def test_at_least_four_layers_are_packages_and_the_top_level_stays_small() -> None:
+    subpackages = [p.parent for p in ROOT.glob("*/__init__.py")]
+    top_level = list(ROOT.glob("*.py"))
+    assert len(subpackages) >= 4, subpackages
+    assert len(top_level) <= 20, sorted(p.name for p in top_level)
 
 
 def test_no_import_cycles() -> None:
-    graph = _graph()
-    cycle = _cycle(graph)
+    cycle = _cycle(_runtime(graph()))
     assert cycle is None, "import cycle among aiocoll's modules: " + " -> ".join(cycle or [])
+
+
+def test_no_module_imports_from_a_layer_above() -> None:
+    # the layers hold on disk: run-time imports and the types named for the checker alike
+    up, looked_up = [], set()
+    for found in graph().values():
+        for i in found:
+            if layer_of(i.target) <= layer_of(i.source):
+                continue
+            if i.typing_only and (i.source, i.target) in LOOKS_UP:
+                looked_up.add((i.source, i.target))
+                continue
+            kind = "names a type of" if i.typing_only else "imports"
+            up.append(
+                f"{i.source}:{i.line} ({LAYERS[layer_of(i.source)][0]}) {kind} {i.target} "
+                f"({LAYERS[layer_of(i.target)][0]})"
+            )
+    assert not up, "imports that run back up the layers:\n" + "\n".join(up)
+    assert looked_up == set(LOOKS_UP), f"LOOKS_UP lists what no module does any more: {set(LOOKS_UP) - looked_up}"
 
 
 def _imports_module(path: Path, name: str) -> bool:
@@ -131,11 +205,11 @@ def _imports_module(path: Path, name: str) -> bool:
     return False
 
 
-def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+def _reached(g: dict[str, set[str]], start: str) -> set[str]:
     """The modules ``start`` imports, and those they import, and so on (``start`` too)."""
     seen, todo = {start}, [start]
     while todo:
-        for dep in graph.get(todo.pop(), ()):
+        for dep in g.get(todo.pop(), ()):
             if dep not in seen:
                 seen.add(dep)
                 todo.append(dep)
@@ -146,20 +220,21 @@ def test_the_world_that_stands_for_processes_knows_no_test_harness(tmp_path: Pat
     # `aiocoll run` and its mp.spawn run on _procworld, which is no test harness's: neither they nor
     # anything they import imports unittest or the harness's modules (torch itself imports unittest,
     # so sys.modules cannot tell: the imports are read)
-    graph = _graph()
-    harness = {"_harness", "_continuous", "testing"}
-    for entry in ("_procworld", "_run", "_mpspawn"):
-        reached = _reached(graph, entry)
+    g = _runtime(graph())
+    names = modules()
+    harness = {m for m in names if layer_of(m) == layer_of("aiocoll._harness")} | {"aiocoll.testing"}
+    for entry in ("aiocoll._lifecycle._procworld", "aiocoll._cli._run", "aiocoll._cli._mpspawn"):
+        reached = _reached(g, entry)
         assert not reached & harness, f"{entry} reaches {sorted(reached & harness)}"
-        users = sorted(m for m in reached if _imports_module(ROOT / f"{m}.py", "unittest"))
+        users = sorted(m for m in reached if _imports_module(names[m], "unittest"))
         assert not users, f"{entry} reaches modules that import unittest: {users}"
     # a guard: the check sees an import of unittest where there is one, at the top or in a function
-    assert _imports_module(ROOT / "_harness.py", "unittest")
+    assert _imports_module(names["aiocoll._harness._harness"], "unittest")
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from unittest import mock\n", encoding="utf-8")
     assert _imports_module(src, "unittest")
-    assert "_procworld" in graph["_harness"]
-    assert "_procworld" in graph["_run"]
+    assert "aiocoll._lifecycle._procworld" in g["aiocoll._harness._harness"]
+    assert "aiocoll._lifecycle._procworld" in g["aiocoll._cli._run"]
 
 
 def test_only_current_keeps_the_slots_that_say_which_rank_runs() -> None:
@@ -167,7 +242,7 @@ def test_only_current_keeps_the_slots_that_say_which_rank_runs() -> None:
     # own state declares a Facet there, rather than a thread-local or context variable of its own
     makers = {"local", "ContextVar"}
     found = []
-    for path in sorted(ROOT.glob("*.py")):
+    for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             named = None
             if isinstance(node, ast.Call):
@@ -176,5 +251,5 @@ def test_only_current_keeps_the_slots_that_say_which_rank_runs() -> None:
                 bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", None) for b in node.bases]
                 named = next((b for b in bases if b in makers), None)
             if named in makers:
-                found.append(f"{path.stem}:{node.lineno}")
-    assert [f.split(":")[0] for f in found] == ["_current", "_current"], found
+                found.append(name)
+    assert found == ["aiocoll._current", "aiocoll._current"], found

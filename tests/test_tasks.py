@@ -1,4 +1,4 @@
-"""``aiocoll._tasks`` on a bare loop: the task factory's counting and the gather accounting, with no world.
+"""``aiocoll._engine._tasks`` on a bare loop: the task factory's counting and the gather accounting, with no world.
 
 The engine's end-to-end behaviour (deadlocks found in gathers, task groups, eager
 factories) is tested through ``spawn`` in ``test_failures.py`` and ``test_task_factory.py``;
@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from aiocoll import _patches, _tasks
-from aiocoll._engine import TASK_TRACKING
-from aiocoll._tasks import RankTasks
+from aiocoll import _patches
+from aiocoll._engine import _tasks
+from aiocoll._engine._tasks import RankTasks
+from aiocoll._engine._world import TASK_TRACKING
 
 
 class FakeRank:

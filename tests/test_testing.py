@@ -31,8 +31,9 @@ from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOp
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, ThreadLocalWorld
 
 import aiocoll
-from aiocoll import _collector, _worldthread
-from aiocoll._c10d import AiocollProcessGroup
+from aiocoll import _collector
+from aiocoll._c10d._backend import AiocollProcessGroup
+from aiocoll._lifecycle import _worldthread
 from aiocoll.testing import ThreadedPGReplacement, replace_threaded_pg
 
 # torch 2.13 renamed a few collectives used below (the old names still work)

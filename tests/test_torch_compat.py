@@ -1,4 +1,4 @@
-"""aiocoll/_torch.py: the one module that touches torch's private names, and what it adapts."""
+"""aiocoll/_torch/: the one module that touches torch's private names, and what it adapts."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def _code_only(source: str) -> list[tuple[int, str]]:
 
 def test_only_the_compat_module_uses_torchs_private_names() -> None:
     offenders = [
-        f"{path.name}:{n}: {code.strip()}"
-        for path in sorted(PACKAGE.glob("*.py"))
-        if path.name != "_torch.py"
+        f"{path.relative_to(PACKAGE)}:{n}: {code.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "_torch"
         for n, code in _code_only(path.read_text())
         if PRIVATE.search(code)
     ]
@@ -128,7 +128,7 @@ def test_premul_factor_on_every_release() -> None:
 
 
 def test_the_process_group_answers_to_both_generations_of_method_names() -> None:
-    from aiocoll._c10d import AiocollProcessGroup
+    from aiocoll._c10d._backend import AiocollProcessGroup
 
     for new, old in _torch._LEGACY_PG_METHODS.items():
         assert getattr(AiocollProcessGroup, old) is getattr(AiocollProcessGroup, new), old

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import aiocoll
 from aiocoll import Comm, DeadlockError, RankExitedError, WorldAbortedError
+from aiocoll._bridge._pg import PGWork
 from aiocoll._ops import Barrier
-from aiocoll._pg import PGWork
 from aiocoll._work import SentToTorch, TorchFutures
 
 

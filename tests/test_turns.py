@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import aiocoll
 from aiocoll import Comm
-from aiocoll._turns import SameCpu, TurnEvent, Turns
+from aiocoll._engine._turns import SameCpu, TurnEvent, Turns
 
 T = TypeVar("T")
 
@@ -97,9 +97,9 @@ def test_ranks_start_from_the_callers_states_and_leave_them_alone() -> None:
 
 def test_a_world_of_seeded_ranks_draws_as_each_rank_s_seed_says() -> None:
     """Worlds that stand for fresh processes give each rank a seed (``WorldConfig.rank_seeds``)."""
-    from aiocoll._config import WorldConfig
-    from aiocoll._driver import WorldRun
-    from aiocoll._locals import Seeds, numpy_seed
+    from aiocoll._lifecycle._config import WorldConfig
+    from aiocoll._lifecycle._driver import WorldRun
+    from aiocoll._process._locals import Seeds, numpy_seed
 
     seeds = Seeds(42, "a world").of(3)
     assert len(set(seeds)) == 3
@@ -125,7 +125,7 @@ def test_a_world_of_seeded_ranks_draws_as_each_rank_s_seed_says() -> None:
 
 def _tensors_made_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads that turn saved torch generator states into tensors, one per state."""
-    from aiocoll._locals import _TorchStates
+    from aiocoll._process._locals import _TorchStates
 
     real = _TorchStates._to_tensor
     threads: list[str] = []
@@ -520,7 +520,7 @@ def test_a_rank_stepped_out_of_an_aborted_world_comes_back_at_once() -> None:
 
 
 def test_a_failure_taking_a_turn_is_the_ranks_and_hangs_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiocoll._locals import RankLocals
+    from aiocoll._process._locals import RankLocals
 
     real = RankLocals.switch
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import aiocoll
+from aiocoll._lifecycle._worldthread import WorldThread
 from aiocoll._spawn import spawn_async
-from aiocoll._worldthread import WorldThread
 
 
 def test_result_of_a_world_that_ends() -> None:

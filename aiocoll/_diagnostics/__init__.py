@@ -1,0 +1,3 @@
+"""Diagnostics that read a running engine: flight-recorder dumps in torch's format, ``[rank N]``
+output.
+"""
