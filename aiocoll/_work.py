@@ -5,7 +5,7 @@ the op's call and the line that issued it, and on top of them awaiting, ``done()
 ``result()``, ``exception()``, ``describe()`` and the repr. Each kind says how a thread
 blocks on it (``wait``) and where it stands in its group (``_where``):
 
-- ``_engine.EngineWork``: a rank's share of a rendezvous on the in-process engine;
+- ``_engine._world.EngineWork``: a rank's share of a rendezvous on the in-process engine;
 - ``_pg.PGWork``: an op issued on a real torch.distributed process group.
 
 It also holds how a work's outcome reaches torch's C++ (``TorchFutures``): torch's own

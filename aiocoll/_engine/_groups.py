@@ -3,7 +3,7 @@
 A ``Group`` holds what its ranks wait for (its pending ``Rendezvous``, its unmatched p2p
 works) and when that times out; ``Groups`` is the world's registry of them: the world
 group, the groups torch.distributed makes by name, their sub-groups and side channels.
-The engine (``_engine.World``) joins calls to rendezvous and runs them; nothing here
+The engine (``_world.World``) joins calls to rendezvous and runs them; nothing here
 acts on a group.
 """
 

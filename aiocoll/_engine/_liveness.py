@@ -1,6 +1,6 @@
 """Liveness and deadlock detection: how many ranks are live and blocked, and who waits for whom.
 
-The engine's invariant (see ``_engine``): a Work only completes when some rank makes a
+The engine's invariant (see ``_world``): a Work only completes when some rank makes a
 call, or when an op already under way ends. So once every live rank is blocked and no
 op is in flight, nothing can ever complete: that is a deadlock, reported at once with
 a table of what each rank waits for. (Unless a rank waits in a torch.distributed group

@@ -13,7 +13,7 @@ keeps the counts (``live``, ``parked``). Two kinds of task need more than the ra
   of the rank (``_park_gatherers``), so a deadlock there is reported at once.
 
 The factory's states (``_Factory``, one per loop): installed by the first world on a loop
-and removed by the last (the engine leases it per loop: ``_engine.TASK_TRACKING``); it
+and removed by the last (the engine leases it per loop: ``_world.TASK_TRACKING``); it
 calls the factory it found (``prev``: None is ``asyncio.Task``); a factory a rank set and
 left on the loop as its world ended may wrap
 this one (``left``), and a later world then calls it, which calls this one back
@@ -296,7 +296,7 @@ def task_factory(
 def install(loop: asyncio.AbstractEventLoop, running: Callable[[], RankTasks | None]) -> Callable[[], None]:
     """Track the tasks made on ``loop`` for the rank ``running()`` names (None: none); returns the undo.
 
-    Once per loop at a time: the engine leases it per loop (``_engine.TASK_TRACKING``).
+    Once per loop at a time: the engine leases it per loop (``_world.TASK_TRACKING``).
     """
     global _current
     _current = running

@@ -169,7 +169,7 @@ class RankState:
         self.c10d: Any = None  # its torch.distributed state, once it has one (``use_c10d``)
 
     def use_c10d(self, state: Any) -> None:
-        """torch.distributed's state for this rank (``_c10d.RankSession``; ``_torch``'s proxy reads it)."""
+        """torch.distributed's state for this rank (``_c10d._backend.RankSession``; ``_torch``'s proxy reads it)."""
         self.c10d = state
 
     def on_own_thread(self) -> bool:
