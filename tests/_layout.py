@@ -15,6 +15,57 @@ PACKAGE = "aiocoll"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 
+# The layers, from the bottom up (docs/design.md, "The layers on disk"): a module imports its
+# own layer's modules and those of the layers below it, never one above. A package stands for
+# every module in it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "foundation",
+        (
+            "aiocoll._errors",
+            "aiocoll._patches",
+            "aiocoll._paths",
+            "aiocoll._stats",
+            "aiocoll._current",
+            "aiocoll._collector",
+            "aiocoll._watchdog",
+        ),
+    ),
+    ("torch internals", ("aiocoll._torch",)),
+    ("a rank's process", ("aiocoll._process",)),
+    ("op semantics", ("aiocoll._ops",)),
+    ("the API's objects", ("aiocoll._work", "aiocoll._comm")),
+    ("engine", ("aiocoll._engine",)),
+    ("diagnostics", ("aiocoll._diagnostics",)),
+    ("torch.distributed", ("aiocoll._c10d",)),
+    ("real process groups", ("aiocoll._bridge",)),
+    ("a world's run", ("aiocoll._lifecycle",)),
+    ("spawn", ("aiocoll._spawn",)),
+    ("torch's harnesses", ("aiocoll._harness",)),
+    ("aiocoll run", ("aiocoll._cli",)),
+    ("the faces", ("aiocoll", "aiocoll.testing", "aiocoll.pytest_plugin", "aiocoll.__main__")),
+)
+
+# Types named from a layer above, each with its reason. Nothing else may look up.
+LOOKS_UP = {
+    ("aiocoll._current", "aiocoll._engine._world"): "the slot that says which rank runs holds the engine's "
+    "RankState; the slot sits below torch's adapter, which reads it",
+}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that holds ``module`` (the longest entry that names it or its package)."""
+    best, at = "", -1
+    for i, (_, members) in enumerate(LAYERS):
+        for m in members:
+            inside = module.startswith(m + ".") and m != "aiocoll"  # the package's face holds only itself
+            if (module == m or inside) and len(m) > len(best):
+                best, at = m, i
+    if at < 0:
+        raise LookupError(f"{module} is in no layer: add it to LAYERS (and to docs/design.md)")
+    return at
+
+
 def modules(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the package by dotted name; a package's ``__init__.py`` is the package's name."""
     out = {}
@@ -87,3 +138,89 @@ def graph(root: Path = ROOT) -> dict[str, list[Import]]:
     """Every module's imports of the package's other modules."""
     known = modules(root)
     return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _back_up(i: Import) -> bool:
+    try:
+        return layer_of(i.target) > layer_of(i.source)
+    except LookupError:  # a tree laid out otherwise (an older, flat one): no layers to hold
+        return False
+
+
+def figures(root: Path = ROOT) -> dict[str, object]:
+    """The layout's figures: sizes, ``Any`` and ``Protocol`` counts, and import circles.
+
+    ``Any`` counts the name in the syntax tree (``Any``, ``typing.Any``), not the word; a
+    ``Protocol`` class is one with ``Protocol`` (generic or not) among its bases.
+    """
+    known = modules(root)
+    lines = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in known.items()}
+    anys = protocols = 0
+    for path in known.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Name) and node.id == "Any") or (
+                isinstance(node, ast.Attribute) and node.attr == "Any"
+            ):
+                anys += 1
+            elif isinstance(node, ast.ClassDef) and any("Protocol" in ast.unparse(b) for b in node.bases):
+                protocols += 1
+    g = {name: imports(name, path, known) for name, path in known.items()}
+    run = {m: {i.target for i in found if not i.typing_only} for m, found in g.items()}
+    typed = {m: {i.target for i in found} for m, found in g.items()}
+    return {
+        "modules": len(known),
+        "top-level modules": len(list(root.glob("*.py"))),
+        "subpackages": len(list(root.glob("*/__init__.py"))),
+        "modules over 800 lines": sorted(f"{m} ({n})" for m, n in lines.items() if n > 800),
+        "Any": anys,
+        "Protocol classes": protocols,
+        "run-time import circles": [len(c) for c in _cycles(run)],
+        "imports that run back up the layers": sorted(
+            f"{i.source} -> {i.target}" for found in g.values() for i in found if _back_up(i)
+        )
+        if any(root.glob("*/__init__.py"))
+        else "no layers on disk",
+        "circles with the types named for the checker": [len(c) for c in _cycles(typed)],
+    }
+
+
+if __name__ == "__main__":  # python tests/_layout.py [PACKAGE_DIR]: the figures of a checkout
+    import sys
+
+    for key, value in figures(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT).items():
+        print(f"{key}: {value}")

@@ -14,57 +14,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from _layout import ROOT, Import, graph, imports, modules
-
-# The layers, from the bottom up (docs/design.md, "The layers on disk"): a module imports its
-# own layer's modules and those of the layers below it, never one above. A package stands for
-# every module in it.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "foundation",
-        (
-            "aiocoll._errors",
-            "aiocoll._patches",
-            "aiocoll._paths",
-            "aiocoll._stats",
-            "aiocoll._current",
-            "aiocoll._collector",
-            "aiocoll._watchdog",
-        ),
-    ),
-    ("torch internals", ("aiocoll._torch",)),
-    ("a rank's process", ("aiocoll._process",)),
-    ("op semantics", ("aiocoll._ops",)),
-    ("the API's objects", ("aiocoll._work", "aiocoll._comm")),
-    ("engine", ("aiocoll._engine",)),
-    ("diagnostics", ("aiocoll._diagnostics",)),
-    ("torch.distributed", ("aiocoll._c10d",)),
-    ("real process groups", ("aiocoll._bridge",)),
-    ("a world's run", ("aiocoll._lifecycle",)),
-    ("spawn", ("aiocoll._spawn",)),
-    ("torch's harnesses", ("aiocoll._harness",)),
-    ("aiocoll run", ("aiocoll._cli",)),
-    ("the faces", ("aiocoll", "aiocoll.testing", "aiocoll.pytest_plugin", "aiocoll.__main__")),
-)
-
-# Types named from a layer above, each with its reason. Nothing else may look up.
-LOOKS_UP = {
-    ("aiocoll._current", "aiocoll._engine._world"): "the slot that says which rank runs holds the engine's "
-    "RankState; the slot sits below torch's adapter, which reads it",
-}
-
-
-def layer_of(module: str) -> int:
-    """The index in LAYERS of the layer that holds ``module`` (the longest entry that names it or its package)."""
-    best, at = "", -1
-    for i, (_, members) in enumerate(LAYERS):
-        for m in members:
-            inside = module.startswith(m + ".") and m != "aiocoll"  # the package's face holds only itself
-            if (module == m or inside) and len(m) > len(best):
-                best, at = m, i
-    if at < 0:
-        raise LookupError(f"{module} is in no layer: add it to LAYERS (and to docs/design.md)")
-    return at
+from _layout import LAYERS, LOOKS_UP, ROOT, Import, graph, imports, layer_of, modules
 
 
 def _runtime(g: dict[str, list[Import]]) -> dict[str, set[str]]:
