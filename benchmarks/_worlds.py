@@ -1,7 +1,7 @@
 """One distributed program, run world after world through each way into aiocoll.
 
 ``bench_leftovers.py`` measures what each world leaves in the process;
-``tests/test_belongings.py`` runs the same drivers, fewer times, and asserts the bound.
+``tests/c10d/test_belongings.py`` runs the same drivers, fewer times, and asserts the bound.
 
 ``program`` uses what a test suite of distributed PyTorch code uses: a 2-D
 ``DeviceMesh``, DTensors in several placements with redistributes between them (shards,

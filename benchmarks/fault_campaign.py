@@ -56,7 +56,7 @@ FAULTS = ("raise", "exit", "mismatch")
 ENTRIES = ("spawn", "parallel", "run", "pytest", "harness")
 ALL_ENTRIES = (*ENTRIES, "torchrun")
 
-# A representative subset, for the test suite (tests/test_fault_campaign.py): every entry
+# A representative subset, for the test suite (tests/conformance/test_fault_campaign.py): every entry
 # point, every fault, DDP at the steps that crashed, and each other kind of consumer once.
 CI_SUBSET: tuple[tuple[str, str, str, str], ...] = (
     ("ddp", "raise", "later", "spawn"),

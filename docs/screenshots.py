@@ -8,7 +8,7 @@ guide and the API reference takes a screenshot (PNG) and reads the page as the b
 rendered it (``--dump-dom``): the navigation is there, code is highlighted, no Markdown was
 left raw (a code fence, a ``#`` heading), and the search box is on the page. Prints one
 line per page and exits 1 if a check fails. Not run by the test suite (CI machines have no
-Chromium); ``tests/test_docs_site.py`` checks the built HTML itself.
+Chromium); ``tests/package/test_docs_site.py`` checks the built HTML itself.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import aiocoll
 
 FR_TRACE = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+# run_processes comes from tests/bridge/test_process_group.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bridge"))
 
 
 def fr_trace_subprocess(directory: Path) -> str:

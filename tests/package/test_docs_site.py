@@ -18,7 +18,7 @@ import pytest
 import aiocoll
 import aiocoll.testing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
 pytest.importorskip("mkdocstrings", reason="the docs extra is not installed: pip install -e '.[docs]'")

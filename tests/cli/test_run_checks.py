@@ -282,8 +282,8 @@ def test_any_backend_and_init_method_gets_checked_groups_that_answer_as_torch_s(
 @pytest.mark.parametrize(
     "path",
     [
-        Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py",
-        Path(__file__).parent / "scripts" / "fsdp2_dcp.py",
+        Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py",
+        Path(__file__).resolve().parents[1] / "scripts" / "fsdp2_dcp.py",
     ],
     ids=["ddp-dataloader-checkpoint", "fsdp2-dcp"],
 )

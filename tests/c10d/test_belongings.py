@@ -33,7 +33,7 @@ from aiocoll._c10d import _belongings
 from aiocoll._engine._world import current_rank_state
 from aiocoll._harness._harness import Settings
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # Without release, each world of the program leaves about 2,400 (torch 2.10) to 8,600
 # (2.15) objects in DTensor's caches; with it, none (a few may come from lazy set-ups).
 BOUND = 200

@@ -129,7 +129,7 @@ def test_unseeded_numbers_are_each_rank_s_own_as_under_torchrun_and_a_seed_repla
     assert first == second
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.bench_smoke
 
-BENCH_ALLREDUCE = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_allreduce.py"
+BENCH_ALLREDUCE = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_allreduce.py"
 COLUMNS = [
     "world",
     "aiocoll asyncio us",
@@ -272,10 +272,13 @@ def test_bench_ceilings_quick(tmp_path: Path) -> None:
 def test_bench_process_harness_in_process(tmp_path: Path) -> None:
     """The harness comparison runs a test file's process-starting tests and tabulates them (aiocoll's side only)."""
     script = BENCH_ALLREDUCE.parent / "bench_process_harness.py"
-    tests = Path(__file__).resolve().parent / "test_process_harness.py"
+    tests = Path(__file__).resolve().parents[1] / "harness" / "test_process_harness.py"
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(script), str(tests), "-k", r"Basics\.test_(leaves|init)", "--mode", "aiocoll"]
-    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    # the benchmark puts the test file's folder on sys.path; its helpers (_unittest_runs) are in tests/
+    path = os.pathsep.join(filter(None, [str(tests.parents[1]), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False, env=env)
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     row = next(line for line in proc.stdout.splitlines() if line.startswith("test_process_harness.py"))
     assert row.split()[:5] == ["test_process_harness.py", "2", "-", "-", "2/0/0"], proc.stdout
@@ -306,7 +309,7 @@ def test_bench_cuda_quick_on_the_cpu() -> None:
 
 
 def test_bench_run_quick() -> None:
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_run.py"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_run.py"
     proc = subprocess.run(
         # (one case: the script's table and ratios; DDP training runs under both launchers in
         # test_run_conformance, and each torchrun start costs 10 s or more on a loaded CI core)

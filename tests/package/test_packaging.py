@@ -26,7 +26,7 @@ from pathlib import Path
 import _layout as layout
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 NAME, VERSION = PROJECT["name"], PROJECT["version"]
 # every module of every subpackage, as a path inside the package
@@ -90,7 +90,7 @@ def test_sdist_contents(dists: tuple[Path, Path]) -> None:
     expected |= {f"aiocoll/{m}" for m in MODULES}
     # what it takes to run the suite from the sdist: conftest.py too, and what the tests run
     for folder in ("tests", "examples", "benchmarks"):
-        expected |= {f"{folder}/{p.name}" for p in (ROOT / folder).glob("*.py")}
+        expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*.py")}
     # the docs site's sources (the suite runs their code blocks) and its configuration
     expected |= {"mkdocs.yml", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))}
     expected |= {"tests/scripts/docs_page_sample.md"}

@@ -37,7 +37,7 @@ from aiocoll._bridge._presence import Presence
 
 WORLD = 4
 LAUNCH_TIMEOUT = 120.0
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 R = dist.ReduceOp
 DTYPES = (
     torch.float32,
@@ -661,11 +661,12 @@ asyncio.run(main())
 def test_nccl_in_one_process(tmp_path: Path) -> None:  # pragma: no cover - no GPUs here
     # The only NCCL world one GPU allows: every collective through from_process_group, equal
     # to the same table in-process on the CPU, and the loop serving other tasks meanwhile.
+    sys.path.insert(0, str(ROOT / "tests" / "ops"))  # test_cuda_streams's folder
     from test_cuda_streams import async_table
 
     script = tmp_path / "nccl_one.py"
     result = tmp_path / "out.pt"
-    script.write_text(_NCCL_ONE.format(tests=str(ROOT / "tests"), out=str(result)))
+    script.write_text(_NCCL_ONE.format(tests=str(ROOT / "tests" / "ops"), out=str(result)))
     r = _torchrun(script, 1)
     assert r.returncode == 0, r.stdout + r.stderr
     got = torch.load(result)

@@ -5,7 +5,7 @@ exception as its value, and DDP's reducer reading tensors out of it crashed the 
 (issue "never a crash"). A C++ consumer is modelled here by ``torch.futures.collect_all``,
 which is C++ and fails only when a future failed in C++ (with ``set_exception`` it
 returned the failed future as a success). The consumers themselves (DDP, FSDP2, ...) run
-in ``tests/test_fault_campaign.py``, each in a process of its own.
+in ``tests/conformance/test_fault_campaign.py``, each in a process of its own.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 from aiocoll import _patches
 from aiocoll._patches import Attr, Item, PatchSet, Step
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: _every_entry.py, and the repository above
 
 
 def _box() -> types.SimpleNamespace:
@@ -159,7 +159,7 @@ def test_the_design_page_lists_every_patch_set() -> None:
     import aiocoll._cli._run
     import aiocoll.testing  # noqa: F401
 
-    page = (HERE.parent / "docs" / "design.md").read_text()
+    page = (TESTS.parent / "docs" / "design.md").read_text()
     start, end = "<!-- patch sets: generated -->\n", "\n<!-- patch sets: end -->"
     listed = page[page.index(start) + len(start) : page.index(end)]
     regenerate = "python -c 'import aiocoll._cli._run, aiocoll.testing, aiocoll._patches as p; print(p.table())'"
@@ -169,7 +169,7 @@ def test_the_design_page_lists_every_patch_set() -> None:
 def _every_entry(tmp_path: Path, *extra: str) -> dict[str, Any]:
     out = tmp_path / "left.json"
     done = subprocess.run(
-        [sys.executable, str(HERE / "_every_entry.py"), str(out), *extra],
+        [sys.executable, str(TESTS / "_every_entry.py"), str(out), *extra],
         capture_output=True,
         text=True,
         timeout=300,
