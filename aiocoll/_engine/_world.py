@@ -6,8 +6,8 @@ signatures and hands the calls of all ranks to the op's ``check`` and ``run``.
 works (``post``), joins collectives to their rendezvous, and aborts. A group and its
 rendezvous are data (``_groups``: ``Group``, ``Rendezvous``, and ``Groups``, the
 registry that finds a torch.distributed group by name). The rest is done by
-collaborators it owns, one job each, in their own modules (which do not import this
-one, and see its objects through protocols):
+collaborators it owns, one job each, in their own modules (which import this one for
+type checking only):
 
 - ``_runner.OpRunner``: runs ready ops in order, inline or off the loop, and releases
   their ranks;
@@ -588,14 +588,14 @@ class World:
         # The world's collaborators, one job each (and self.liveness, above). The per-op
         # path reaches theirs through bound methods and a dict kept at hand here.
         # runs ready ops in order, inline or off the loop, and releases their ranks
-        self.runner: OpRunner[EngineWork] = OpRunner(self, loop, self.liveness)
+        self.runner: OpRunner = OpRunner(self, loop, self.liveness)
         # matches sends with recvs, and times out the unmatched
-        self.p2p: P2PMatcher[EngineWork] = P2PMatcher(self, self.runner, self.groups.all)
+        self.p2p: P2PMatcher = P2PMatcher(self, self.runner, self.groups.all)
         # the own timeouts of torch.distributed groups, which break a group when they pass
         local = size if hybrid is None else len(hybrid.local)
         self.timeouts = GroupTimeouts(timeout, slowdown(local), self._new_deadlines, self.p2p, self.fail_pending)
         # holds back the works that faults hang or delay
-        self.injector: FaultInjector[EngineWork] = FaultInjector(self, loop, timeout)
+        self.injector: FaultInjector = FaultInjector(self, loop, timeout)
         self._run = self.runner.run
         self._send = self.p2p.send
         self._recv = self.p2p.recv
