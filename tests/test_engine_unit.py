@@ -32,8 +32,9 @@ from aiocoll import (
 from aiocoll._engine._faults import FaultPlan
 from aiocoll._engine._groups import Group
 from aiocoll._engine._inject import FaultProbe
+from aiocoll._engine._rank import EngineWork
 from aiocoll._engine._record import Recorder
-from aiocoll._engine._world import EngineWork, World
+from aiocoll._engine._world import World
 from aiocoll._ops import AllReduce, Barrier, Recv, Reduction, Send
 
 SUM = Reduction.of("sum")

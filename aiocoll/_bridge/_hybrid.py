@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from .. import _ops as ops
 from .._engine._groups import Group, Rendezvous
-from .._engine._world import EngineWork, World, mismatch_message
+from .._engine._rank import EngineWork
+from .._engine._world import World, mismatch_message
 from .._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
 from .._ops import _device
 from .._work import Site, fmt_site

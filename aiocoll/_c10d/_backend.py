@@ -32,7 +32,8 @@ import torch.distributed.constants as dist_constants
 from .. import _current, _patches, _torch
 from .._comm import Comm
 from .._engine._engine_comm import EngineComm
-from .._engine._world import RankState, World, current_rank_state
+from .._engine._rank import RankState, current_rank_state
+from .._engine._world import World
 from .._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from .._paths import PACKAGE_DIR
 from .._process import _procstate

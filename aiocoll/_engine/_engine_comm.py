@@ -10,7 +10,8 @@ from .._errors import AiocollError
 from .._ops import _cuda
 from .._stats import Statistics
 from ._groups import Group
-from ._world import EngineWork, World, current_rank_state
+from ._rank import EngineWork, current_rank_state
+from ._world import World
 
 __all__ = ["EngineComm", "rank_generator"]
 

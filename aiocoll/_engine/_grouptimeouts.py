@@ -34,7 +34,7 @@ from ._deadlines import Deadlines
 if TYPE_CHECKING:
     from ._groups import Group, Rendezvous
     from ._p2p import P2PMatcher
-    from ._world import EngineWork
+    from ._rank import EngineWork
 
 __all__ = ["GroupTimeouts", "slowdown", "usable_cpus"]
 

@@ -28,7 +28,8 @@ from ._faults import Fault, FaultPlan, OpInfo
 from ._record import Probe, Stamp
 
 if TYPE_CHECKING:
-    from ._world import EngineWork, World
+    from ._rank import EngineWork
+    from ._world import World
 
 __all__ = ["FaultInjector", "FaultProbe"]
 

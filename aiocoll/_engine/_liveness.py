@@ -24,7 +24,8 @@ from .._errors import DeadlockError
 from .._ops import Recv, Send
 
 if TYPE_CHECKING:
-    from ._world import EngineWork, RankState, World
+    from ._rank import EngineWork, RankState
+    from ._world import World
 
 __all__ = ["Liveness"]
 

@@ -31,8 +31,9 @@ from .._ops import Recv, Send, check_transfer, transfer
 
 if TYPE_CHECKING:
     from ._groups import Group
+    from ._rank import EngineWork
     from ._runner import OpRunner
-    from ._world import EngineWork, World
+    from ._world import World
 
 __all__ = ["P2PMatcher"]
 

@@ -33,7 +33,8 @@ from ._liveness import Liveness
 if TYPE_CHECKING:
     from .._ops import Call
     from ._groups import Rendezvous
-    from ._world import EngineWork, World
+    from ._rank import EngineWork
+    from ._world import World
 
 __all__ = ["OpRunner"]
 

@@ -33,7 +33,8 @@ from .._current import RANK
 from .._stats import Phase
 
 if TYPE_CHECKING:
-    from ._world import RankState, World
+    from ._rank import RankState
+    from ._world import World
 
 __all__ = ["CONTEXTS", "RANK", "RankTasks", "WorldTasks", "install", "task_factory"]
 

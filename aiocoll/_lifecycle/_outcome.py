@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from .._errors import WorldAbortedError
 
 if TYPE_CHECKING:
-    from .._engine._world import EngineWork, RankState, World
+    from .._engine._rank import EngineWork, RankState
+    from .._engine._world import World
 
 __all__ = ["Outcome", "echoes_abort", "exit_status", "sees_through", "warn_unmatched"]
 
