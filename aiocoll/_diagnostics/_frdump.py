@@ -429,7 +429,7 @@ def dump_flight_recorder(prefix: str | os.PathLike[str] | None = None, *, comm: 
     from .._engine._rank import current_rank_state
 
     if isinstance(comm, EngineComm):
-        return dump_world(comm._world, prefix)
+        return dump_world(comm.world, prefix)
     if comm is not None:
         return dump_process(prefix, getattr(comm, "backend", "nccl"))
     st = current_rank_state()

@@ -36,6 +36,23 @@ class EngineComm(Comm):
         # them with Work.wait()
         self._threaded = threaded
 
+    # Read-only names for what torch.distributed's adapter and the diagnostics read
+
+    @property
+    def world(self) -> World:
+        """The engine's world this rank belongs to."""
+        return self._world
+
+    @property
+    def group(self) -> Group:
+        """The engine's group its collectives run in."""
+        return self._group
+
+    @property
+    def threaded(self) -> bool:
+        """Whether its rank runs in a thread of its own (it posts to the loop and waits with ``Work.wait``)."""
+        return self._threaded
+
     @property
     def global_rank(self) -> int:
         """This rank's index in the whole world of ``spawn``."""

@@ -223,7 +223,8 @@ class RankState:
             return contextlib.nullcontext()
         return lock
 
-    def _task_done(self, _task: object) -> None:
+    def task_done(self, _task: object) -> None:
+        """Its own task ended (a done callback: the world's driver adds it)."""
         self._change(-1, 0)
 
     def status(self) -> str:
@@ -310,6 +311,44 @@ class EngineWork(Work):
 
     @property
     def _owner(self) -> int:
+        return self._rank.rank
+
+    # Read-only names for what the layers above read of a work (the bridge, a world's
+    # report); the engine's own modules use the fields, on the per-op path.
+
+    @property
+    def call(self) -> Call:
+        """The op's call (an ``_ops`` class)."""
+        return self._call
+
+    @property
+    def site(self) -> Site | None:
+        """Where its rank issued it (file, line), if known."""
+        return self._site
+
+    @property
+    def group(self) -> Group:
+        """The group it runs in."""
+        return self._group
+
+    @property
+    def grank(self) -> int:
+        """Its rank's place in the group."""
+        return self._grank
+
+    @property
+    def seq(self) -> int | None:
+        """Its place in the group's collectives (None: a send or recv)."""
+        return self._seq
+
+    @property
+    def where(self) -> str:
+        """Where the op stands, for reports: ``"#3 on group 'world'"``."""
+        return self._where
+
+    @property
+    def owner(self) -> int:
+        """The global rank that issued it."""
         return self._rank.rank
 
     def __await__(self) -> Generator[Any, None, Any]:

@@ -181,7 +181,7 @@ class WorldRun:
         for st, r in zip(local, self.runners, strict=True):
             st.tasks.task = r if isinstance(r, asyncio.Task) else None
             if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
-                r.add_done_callback(st._task_done)
+                r.add_done_callback(st.task_done)
         try:
             await asyncio.wait(self.runners)
             # tasks a rank created and left running would outlive the world

@@ -142,7 +142,7 @@ def warn_unmatched(works: list[EngineWork], what: str, stacklevel: int) -> None:
     Say so rather than pass silently.
     """
     if works:
-        lines = "\n".join(f"  rank {x._rank.rank}: {x.describe()}" for x in works)
+        lines = "\n".join(f"  rank {x.owner}: {x.describe()}" for x in works)
         warnings.warn(
             f"aiocoll: {what} ended with {len(works)} operation(s) no peer ever matched:\n{lines}",
             RuntimeWarning,
