@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
-    from ._engine._world import RankState
+    from ._engine._rank import RankState
 
 __all__ = ["RANK", "Facet", "PerRank", "StandIn", "carried", "forget_all"]
 

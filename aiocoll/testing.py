@@ -86,7 +86,8 @@ from . import _patches, _torch
 from ._c10d import _backend as _c10d
 from ._c10d import _belongings
 from ._c10d._backend import AiocollProcessGroup, _C10dComm, _create_process_group
-from ._engine._world import EngineWork, RankState, World, current_rank_state, rank_var
+from ._engine._rank import EngineWork, RankState, current_rank_state, rank_var
+from ._engine._world import World
 from ._errors import InvalidArgumentError
 from ._harness import _continuous, _harness
 from ._lifecycle import _procworld

@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # Types named from a layer above, each with its reason. Nothing else may look up.
 LOOKS_UP = {
-    ("aiocoll._current", "aiocoll._engine._world"): "the slot that says which rank runs holds the engine's "
+    ("aiocoll._current", "aiocoll._engine._rank"): "the slot that says which rank runs holds the engine's "
     "RankState; the slot sits below torch's adapter, which reads it",
 }
 

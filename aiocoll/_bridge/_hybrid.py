@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from .. import _ops as ops
 from .._engine._groups import Group, Rendezvous
-from .._engine._world import EngineWork, World, mismatch_message
+from .._engine._rank import EngineWork
+from .._engine._world import World, mismatch_message
 from .._errors import CollectiveMismatchError, InvalidArgumentError, WorldAbortedError
 from .._ops import _device
 from .._work import Site, fmt_site
@@ -226,15 +227,15 @@ class HybridWorld:
                 states.append(f"rank {st.rank} {_doing(st.status())}")
                 continue
             for w in waits:
-                seq = f"call #{w._seq} of the group, " if w._seq is not None else ""
+                seq = f"call #{w.seq} of the group, " if w.seq is not None else ""
                 e = WorldAbortedError(
-                    f"{w._call.describe()} on rank {st.rank} of group {w._group.name!r} failed: {who}; "
-                    f"rank {st.rank} was waiting in it ({seq}at {fmt_site(w._site)})",
+                    f"{w.call.describe()} on rank {st.rank} of group {w.group.name!r} failed: {who}; "
+                    f"rank {st.rank} was waiting in it ({seq}at {fmt_site(w.site)})",
                     rank=rank,
                 )
                 e.__cause__ = cause
                 w._resolve(exc=e)
-            what = ", ".join(f"{w._call.describe()} {w._where} at {fmt_site(w._site)}" for w in waits)
+            what = ", ".join(f"{w.call.describe()} {w.where} at {fmt_site(w.site)}" for w in waits)
             states.append(f"rank {st.rank} was waiting in {what}")
         err = self.gone_error = WorldAbortedError(f"{who}; {'; '.join(states)}", rank=rank)
         err.__cause__ = cause
@@ -315,7 +316,7 @@ class PGBridge:
     async def _exchange(self, rdv: Rendezvous) -> tuple[list[Any], list[Site | None]]:
         """Every member's call (local ones are the ranks' own objects) and call site."""
         mine = [
-            (r, rdv.calls[r], w._site if w is not None else None)
+            (r, rdv.calls[r], w.site if w is not None else None)
             for r, w in enumerate(rdv.works)
             if rdv.calls[r] is not None
         ]
@@ -367,12 +368,12 @@ class PGBridge:
         self._tail = None  # the last exchange's task, whose frame refers back to the bridge
 
     def p2p(self, work: EngineWork) -> asyncio.Future[object] | None:
-        call, g = work._call, self.group
+        call, g = work.call, self.group
         assert isinstance(call, (ops.Send, ops.Recv))  # (the engine bridges only p2p works here)
         peer = call.dst if isinstance(call, ops.Send) else call.src
         assert peer is not None  # Comm refuses any-source receives in groups that span processes
         hy = self.hybrid
-        peer_g, me_g = g.ranks[peer], g.ranks[work._grank]
+        peer_g, me_g = g.ranks[peer], g.ranks[work.grank]
         proc = hy.proc_of(peer_g)
         if proc == hy.proc:
             return None

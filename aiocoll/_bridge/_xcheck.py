@@ -38,7 +38,7 @@ import hashlib
 import io
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,26 +53,7 @@ from ._presence import Presence, StoreUnreachable
 
 if TYPE_CHECKING:
     from .._torch import Store
-
-
-class _Issuer(Protocol):
-    """What a checker needs of its group's issuer (``_pgissue.Issuer``)."""
-
-    pg: dist.ProcessGroup
-    rank: int
-    size: int
-    name: str
-    backend: str
-    global_ranks: tuple[int, ...]
-    timeout: timedelta | None
-
-    def error(self, what: str, exc: BaseException) -> BaseException: ...
-
-    def abort(self, reason: BaseException) -> None: ...
-
-    def recent(self, n: int) -> list[Stamp]:
-        """The flight-recorder stamps of the group's last ``n`` collectives, oldest first."""
-        ...
+    from ._pgissue import Issuer  # (which imports this module at run time)
 
 
 # when_done(work, loop, fn): fn(None or the error) on the loop once the work completes (_pgbridge's)
@@ -218,7 +199,7 @@ class Checker:
     WATCH_AFTER = 0.5  # seconds a check may wait before the heartbeats are read
     HISTORY = 8
 
-    def __init__(self, iss: _Issuer, when_done: _WhenDone) -> None:
+    def __init__(self, iss: Issuer, when_done: _WhenDone) -> None:
         self.iss = iss
         self._when_done = when_done
         self.presence = Presence.of(iss.pg)

@@ -32,7 +32,8 @@ import torch.distributed.constants as dist_constants
 from .. import _current, _patches, _torch
 from .._comm import Comm
 from .._engine._engine_comm import EngineComm
-from .._engine._world import RankState, World, current_rank_state
+from .._engine._rank import RankState, current_rank_state
+from .._engine._world import World
 from .._errors import AiocollError, BlockingCallError, InvalidArgumentError
 from .._paths import PACKAGE_DIR
 from .._process import _procstate
@@ -531,11 +532,11 @@ class AiocollProcessGroup(CommProcessGroup):
 
     def __init__(self, comm: EngineComm, name: str) -> None:
         super().__init__(comm, name)
-        self._on_loop = not comm._threaded
-        self._owner = comm._world.ranks[comm.global_rank]  # the only rank that may call it
+        self._on_loop = not comm.threaded
+        self._owner = comm.world.ranks[comm.global_rank]  # the only rank that may call it
         # a world's ranks take turns (or not) from its start, before any group is made
-        self._hand_over = comm._threaded and comm._world.turns is not None
-        belong(comm._world, "group", self)
+        self._hand_over = comm.threaded and comm.world.turns is not None
+        belong(comm.world, "group", self)
 
     def _check(self, op: str, opts: object) -> None:
         me = current_rank_state()
@@ -576,7 +577,7 @@ class AiocollProcessGroup(CommProcessGroup):
                 "call on the event loop thread would deadlock; use 'await dist.barrier(async_op=True)'"
             )
         comm = self._comm
-        world, group = comm._world, comm._group
+        world, group = comm.world, comm.group
         if group.bridge is not None:
             # other processes run some of its ranks: a plain barrier (a rank that never
             # comes is reported as for any collective)

@@ -426,10 +426,10 @@ def dump_flight_recorder(prefix: str | os.PathLike[str] | None = None, *, comm: 
     The same dumps are written when a run fails and ``TORCH_FR_DUMP_TEMP_FILE`` is set.
     """
     from .._engine._engine_comm import EngineComm
-    from .._engine._world import current_rank_state
+    from .._engine._rank import current_rank_state
 
     if isinstance(comm, EngineComm):
-        return dump_world(comm._world, prefix)
+        return dump_world(comm.world, prefix)
     if comm is not None:
         return dump_process(prefix, getattr(comm, "backend", "nccl"))
     st = current_rank_state()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from .. import _patches
-from .._engine._world import current_rank_state
+from .._engine._rank import current_rank_state
 
 __all__ = ["prefixed_output"]
 

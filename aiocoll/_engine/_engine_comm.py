@@ -10,7 +10,8 @@ from .._errors import AiocollError
 from .._ops import _cuda
 from .._stats import Statistics
 from ._groups import Group
-from ._world import EngineWork, World, current_rank_state
+from ._rank import EngineWork, current_rank_state
+from ._world import World
 
 __all__ = ["EngineComm", "rank_generator"]
 
@@ -34,6 +35,23 @@ class EngineComm(Comm):
         # a rank running in its own thread posts its works to the loop, and waits on
         # them with Work.wait()
         self._threaded = threaded
+
+    # Read-only names for what torch.distributed's adapter and the diagnostics read
+
+    @property
+    def world(self) -> World:
+        """The engine's world this rank belongs to."""
+        return self._world
+
+    @property
+    def group(self) -> Group:
+        """The engine's group its collectives run in."""
+        return self._group
+
+    @property
+    def threaded(self) -> bool:
+        """Whether its rank runs in a thread of its own (it posts to the loop and waits with ``Work.wait``)."""
+        return self._threaded
 
     @property
     def global_rank(self) -> int:

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
     from .._ops import Call
     from ._deadlines import Deadlines
+    from ._rank import EngineWork
     from ._record import Stamp
-    from ._world import EngineWork, World
+    from ._world import World
 
 __all__ = ["Bridge", "Elsewhere", "Group", "Groups", "Rendezvous"]
 

@@ -18,21 +18,23 @@ engine's groups:
 A world's ranks share this process's cores, where torch's processes each had some, so
 the timeout kept is the one asked for, stretched as a test's deadline is (``slowdown``).
 
-Nothing here imports the engine: groups and rendezvous are ``_groups``' data, and the
-p2p matcher is seen through the protocol below.
+Nothing here imports the engine at run time: groups and rendezvous are ``_groups``' data,
+and the p2p matcher and its works are named for type checking only.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from .._errors import GroupTimeoutError
 from ._deadlines import Deadlines
 
 if TYPE_CHECKING:
     from ._groups import Group, Rendezvous
+    from ._p2p import P2PMatcher
+    from ._rank import EngineWork
 
 __all__ = ["GroupTimeouts", "slowdown", "usable_cpus"]
 
@@ -58,11 +60,6 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-class _Matcher(Protocol):
-    def unmatched(self, work: Any) -> str: ...
-    def give_up(self, work: Any, err: BaseException) -> None: ...
-
-
 class GroupTimeouts:
     """The own timeouts of a world's groups: their deadlines, and what happens when one passes.
 
@@ -79,7 +76,7 @@ class GroupTimeouts:
         world_timeout: float | None,
         stretch: int,
         deadlines: Callable[[float], Deadlines],
-        p2p: _Matcher,
+        p2p: P2PMatcher,
         fail_pending: Callable[[Group, Callable[[], BaseException]], None],
     ) -> None:
         self.world_timeout = world_timeout
@@ -124,7 +121,7 @@ class GroupTimeouts:
                 w._resolve(exc=GroupTimeoutError(message))
         self.break_group(group, f"{what} timed out on ranks {arrived}")
 
-    def p2p_expired(self, work: Any) -> None:
+    def p2p_expired(self, work: EngineWork) -> None:
         """A send or recv of a group with its own timeout is still unmatched past it."""
         group = work._group
         unmatched = self._p2p.unmatched(work)

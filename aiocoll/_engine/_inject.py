@@ -11,22 +11,25 @@ every park.
 A hung work times out after twice the world's timeout (its peers, waiting for it, time
 out first and say more); an abort fails every held work and cancels the timers.
 
-Nothing here imports the engine: it knows works and the world through the small
-protocols below, which ``Work`` and ``World`` satisfy.
+It names the engine's works and world only for type checking: the world
+(``_engine._world``) imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Hashable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 from .._errors import CollectiveTimeoutError
 from .._ops import P2PRecord
 from .._work import Site
 from ._faults import Fault, FaultPlan, OpInfo
 from ._record import Probe, Stamp
+
+if TYPE_CHECKING:
+    from ._rank import EngineWork
+    from ._world import World
 
 __all__ = ["FaultInjector", "FaultProbe"]
 
@@ -71,63 +74,26 @@ class FaultProbe(Probe):
             self.recorder.arrived(stamp, grank, rank, site, at)
 
 
-class _Rank(Protocol):
-    @property
-    def rank(self) -> int: ...
-
-
-class HeldWork(Protocol):
-    """A work, as the injector reads it."""
-
-    @property
-    def _rank(self) -> _Rank: ...
-    @property
-    def _call(self) -> Any: ...
-    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
-
-
-W = TypeVar("W", bound=HeldWork)
-_W_contra = TypeVar("_W_contra", bound=HeldWork, contravariant=True)
-
-
-class _Engine(Protocol[_W_contra]):
-    """What the injector needs of its world: its threads and lock, entering a work, abort."""
-
-    @property
-    def lock(self) -> threading.RLock | None:
-        """Set when rank threads run the engine (taking turns)."""
-        ...
-
-    @property
-    def aborted(self) -> BaseException | None: ...
-    def on_loop_thread(self) -> bool: ...
-    def call_soon_threadsafe(self, fn: Callable[..., object], *args: Any) -> None: ...
-    def locked(self, fn: Callable[..., object], *args: Any) -> None: ...
-    def post(self, work: _W_contra) -> object: ...
-    def abort(self, rank: int | None, cause: BaseException) -> None: ...
-    def _aborted_error(self) -> BaseException: ...
-
-
-class FaultInjector(Generic[W]):
+class FaultInjector:
     """Holds back the works that faults hang or delay, and enters a delayed one when its time comes."""
 
     __slots__ = ("_engine", "_loop", "_timeout", "held", "hung")
 
-    def __init__(self, engine: _Engine[W], loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+    def __init__(self, engine: World, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         self._engine = engine
         self._loop = loop
         self._timeout = timeout
         # held works: hung, or delayed, with the timer that ends the hold (None until it is
         # armed on the loop)
-        self.held: dict[W, asyncio.TimerHandle | None] = {}
+        self.held: dict[EngineWork, asyncio.TimerHandle | None] = {}
         self.hung: dict[int, str] = {}  # what a fault did to each rank it hung, for reports
 
-    def hang(self, work: W, why: str) -> None:
+    def hang(self, work: EngineWork, why: str) -> None:
         """Keep ``work`` out of the engine for good (any thread); ``why`` is its rank's state in reports."""
         self.hung[work._rank.rank] = why
         self.hold(work, None)
 
-    def hold(self, work: W, delay: float | None) -> None:
+    def hold(self, work: EngineWork, delay: float | None) -> None:
         """Keep ``work`` out of the engine: enter it ``delay`` seconds from now, or never (None: hung).
 
         Any thread: the rank's own, as it issues the work.
@@ -143,7 +109,7 @@ class FaultInjector(Generic[W]):
         else:
             engine.call_soon_threadsafe(self._hold, work, delay)
 
-    def _hold(self, work: W, delay: float | None) -> None:
+    def _hold(self, work: EngineWork, delay: float | None) -> None:
         engine = self._engine
         if engine.aborted is not None:
             work._resolve(exc=engine._aborted_error())
@@ -155,7 +121,7 @@ class FaultInjector(Generic[W]):
             else:
                 engine.call_soon_threadsafe(self._arm, work, delay)
 
-    def _arm(self, work: W, delay: float | None) -> None:
+    def _arm(self, work: EngineWork, delay: float | None) -> None:
         if work not in self.held:
             return  # released by an abort meanwhile
         locked = self._engine.locked
@@ -168,7 +134,7 @@ class FaultInjector(Generic[W]):
             # peers waiting for it time out first, and their report says more.
             self.held[work] = self._loop.call_later(2 * self._timeout, locked, self._hang_timed_out, work)
 
-    def _hang_timed_out(self, work: W) -> None:
+    def _hang_timed_out(self, work: EngineWork) -> None:
         assert self._timeout is not None
         del self.held[work]
         err = CollectiveTimeoutError(
@@ -178,7 +144,7 @@ class FaultInjector(Generic[W]):
         work._resolve(exc=err)
         self._engine.abort(None, err)
 
-    def _release(self, work: W) -> None:
+    def _release(self, work: EngineWork) -> None:
         del self.held[work]
         self._engine.post(work)
 

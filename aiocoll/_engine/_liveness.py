@@ -11,87 +11,25 @@ Each rank keeps its own counts (tasks live, tasks parked: ``RankState``); it tel
 totals. The check is two integer compares on the common path: the full test runs only
 when the last live rank blocks.
 
-Nothing here imports the engine: it knows ranks, works and the world through the small
-protocols below, which ``RankState``, ``Work`` and ``World`` satisfy.
+It names the engine's ranks, works and world only for type checking: the world
+(``_engine._world``) imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from .._errors import DeadlockError
 from .._ops import Recv, Send
-from ._tasks import WorldTasks
+
+if TYPE_CHECKING:
+    from ._rank import EngineWork, RankState
+    from ._world import World
 
 __all__ = ["Liveness"]
 
 _log = logging.getLogger("aiocoll")
-
-
-class _Meeting(Protocol):
-    """A rendezvous, as far as a waiting work's report needs it."""
-
-    def missing(self) -> list[int]:
-        """The group-ranks that have not arrived."""
-        ...
-
-
-class _Members(Protocol):
-    @property
-    def ranks(self) -> Sequence[int]:
-        """The global rank of each group-rank."""
-        ...
-
-    @property
-    def own_timeout(self) -> object:
-        """Whether it has a timeout of its own, which will release its waiters (None: no)."""
-        ...
-
-
-class _Waiter(Protocol):
-    """A pending work, as the deadlock report reads it."""
-
-    @property
-    def _rdv(self) -> _Meeting | None: ...
-    @property
-    def _group(self) -> _Members: ...
-    @property
-    def _call(self) -> object: ...
-    @property
-    def _rank(self) -> _Member: ...
-    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
-
-
-class _Member(Protocol):
-    """A rank, as the deadlock report reads it."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def blocked(self) -> bool: ...
-    @property
-    def waiting(self) -> Sequence[_Waiter]: ...
-    def status(self) -> str: ...
-
-
-class _Engine(Protocol):
-    """What the check needs of its world: whether something else will move, and how to stop it."""
-
-    @property
-    def ranks(self) -> Sequence[_Member]: ...
-    @property
-    def aborted(self) -> BaseException | None: ...
-    def abort(self, rank: int | None, cause: BaseException) -> None: ...
-    def explain_stall(self) -> bool:
-        """Every live rank waits: fail what explains it better than a deadlock (a mismatch); true if it did."""
-        ...
-
-    @property
-    def tasks(self) -> WorldTasks:
-        """Its ranks' tasks: ``count_all()`` makes sure each is counted (the counts may grow), false if it cannot."""
-        ...
 
 
 class Liveness:
@@ -103,7 +41,7 @@ class Liveness:
 
     __slots__ = ("_told", "_world", "blocked", "in_flight", "live")
 
-    def __init__(self, world: _Engine) -> None:
+    def __init__(self, world: World) -> None:
         self._world = world
         self.live = 0  # ranks with some task or thread acting for them
         self.blocked = 0  # of those, ranks whose every task or thread waits for a Work
@@ -166,7 +104,7 @@ class Liveness:
         return "\n".join(lines)
 
     @staticmethod
-    def peers(w: _Waiter) -> tuple[str, list[int]]:
+    def peers(w: EngineWork) -> tuple[str, list[int]]:
         """What a waiting work waits for: its kind, and the global ranks it needs (none: any)."""
         g, call = w._group, w._call
         if w._rdv is not None:
@@ -177,11 +115,11 @@ class Liveness:
             return "send", [g.ranks[call.dst]]
         return "other", []
 
-    def waits_for(self, st: _Member) -> list[int]:
+    def waits_for(self, st: RankState) -> list[int]:
         """The global ranks whose calls the works ``st`` waits on still need."""
         return sorted({r for w in st.waiting for r in self.peers(w)[1]})
 
-    def waiting_for(self, st: _Member) -> str:
+    def waiting_for(self, st: RankState) -> str:
         """Whom a blocked rank waits for, in words (empty if it is not blocked)."""
         if not st.blocked:
             return ""

@@ -13,118 +13,31 @@ world's ops complete in order). An unmatched send or recv times out after its gr
 deadline: the world's timeout, which aborts the world, or a torch.distributed group's own,
 which breaks that group (``_grouptimeouts``; the world decides which, and calls ``give_up``).
 
-Nothing here imports the engine: it knows works, groups and the world through the small
-protocols below, which ``Work``, ``Group`` and ``World`` satisfy.
+It names the engine's works, groups, op runner and world only for type checking: the
+world (``_engine._world``) imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, cast
 
 from .._errors import CollectiveMismatchError, CollectiveTimeoutError
 from .._ops import Recv, Send, check_transfer, transfer
-from ._deadlines import Deadlines
-from ._record import Stamp
+
+if TYPE_CHECKING:
+    from ._groups import Group
+    from ._rank import EngineWork
+    from ._runner import OpRunner
+    from ._world import World
 
 __all__ = ["P2PMatcher"]
 
-_T = TypeVar("_T")
 _now = time.perf_counter
-
-
-class _Queues(Protocol[_T]):
-    """A group, as far as matching goes: its name, members, and unmatched sends and recvs of works ``_T``."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """The global rank of each group-rank."""
-        ...
-
-    @property
-    def sends(self) -> dict[tuple[int, int], dict[int, deque[tuple[int, _T]]]]:
-        """Unmatched sends by (dst, tag), then by source: (issue number, work), oldest first."""
-        ...
-
-    @property
-    def recvs(self) -> dict[tuple[int, int], list[_T]]:
-        """Unmatched recvs by (dst, tag), oldest first."""
-        ...
-
-    @property
-    def deadlines(self) -> Deadlines | None:
-        """When its unmatched works time out (None: never)."""
-        ...
-
-
-class _Rank(Protocol):
-    @property
-    def rank(self) -> int: ...
-    def status(self) -> str: ...
-
-
-class P2PWork(Protocol):
-    """A send or recv, as the matcher reads it."""
-
-    @property
-    def _group(self) -> _Queues[Self]: ...
-    @property
-    def _grank(self) -> int:
-        """The caller's group-rank."""
-        ...
-
-    @property
-    def _call(self) -> Any:
-        """A ``Send`` or a ``Recv``."""
-        ...
-
-    @property
-    def _site(self) -> tuple[str, int] | None: ...
-    @property
-    def _stamp(self) -> Stamp | None: ...
-    @property
-    def _rank(self) -> _Rank: ...
-    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
-    def done(self) -> bool: ...
-    def describe(self) -> str: ...
-
-
-W = TypeVar("W", bound=P2PWork)
-_W_contra = TypeVar("_W_contra", bound=P2PWork, contravariant=True)
-
-
-class _Order(Protocol[_W_contra]):
-    """The world's op runner, which keeps ops in order: a transfer runs after the op running off the loop."""
-
-    @property
-    def busy(self) -> object:
-        """The works of the op running off the loop, if any (None: nothing runs there)."""
-        ...
-
-    def serial(self, works: Sequence[_W_contra], fn: Callable[[], None]) -> None:
-        """Run ``fn`` after the op running off the loop and those queued behind it."""
-        ...
-
-    def failed(self, works: Sequence[_W_contra], e: BaseException) -> None:
-        """``works`` failed with ``e``, which aborts the world."""
-        ...
-
-
-class _Engine(Protocol):
-    """What the matcher needs of its world: the seeded schedule, ranks' states, abort."""
-
-    @property
-    def rng(self) -> random.Random | None: ...
-    @property
-    def ranks(self) -> Sequence[_Rank]: ...
-    def abort(self, rank: int | None, cause: BaseException) -> None: ...
 
 
 def _fmt_site(site: tuple[str, int] | None) -> str:
@@ -132,7 +45,7 @@ def _fmt_site(site: tuple[str, int] | None) -> str:
     return "?" if site is None else f"{site[0]}:{site[1]}"
 
 
-class P2PMatcher(Generic[W]):
+class P2PMatcher:
     """Matches a world's sends and recvs, and times out those left unmatched.
 
     ``send`` and ``recv`` enter a work (engine code: on the loop, or under the world's
@@ -141,24 +54,25 @@ class P2PMatcher(Generic[W]):
 
     __slots__ = ("_counter", "_engine", "_groups", "_runner", "waiting")
 
-    def __init__(self, engine: _Engine, runner: _Order[W], groups: Callable[[], Sequence[_Queues[W]]]) -> None:
+    def __init__(self, engine: World, runner: OpRunner, groups: Callable[[], Sequence[Group]]) -> None:
         self._engine = engine
         self._runner = runner
         self._groups = groups  # every group of the world, for a work that must leave its queue
         self._counter = itertools.count()  # issue numbers of sends: an any-source recv takes the earliest
         # unmatched sends and recvs that will time out (with deadlines only); the world's
         # deadlines drop those no longer in it
-        self.waiting: set[W] = set()
+        self.waiting: set[EngineWork] = set()
 
-    def send(self, work: W) -> None:
+    def send(self, work: EngineWork) -> None:
         """Enter a send: it completes with the first recv waiting for it, or waits for one."""
         group, src = work._group, work._grank
-        call: Send = work._call
+        call = cast(Send, work._call)  # (the world sends only sends here)
         key = (call.dst, call.tag)
         recvs = group.recvs.get(key)
         if recvs:
             for i, rw in enumerate(recvs):
-                if rw._call.src is None or rw._call.src == src:
+                want = cast(Recv, rw._call).src
+                if want is None or want == src:
                     del recvs[i]
                     self._match(group, src, work, rw)
                     return
@@ -169,10 +83,10 @@ class P2PMatcher(Generic[W]):
             self.waiting.add(work)
             deadlines.add(work)
 
-    def recv(self, work: W) -> None:
+    def recv(self, work: EngineWork) -> None:
         """Enter a recv: it completes with its source's earliest send, or waits for one."""
         group, dst = work._group, work._grank
-        call: Recv = work._call
+        call = cast(Recv, work._call)  # (and only recvs here)
         by_src = group.sends.get((dst, call.tag))
         if by_src:
             src: int | None
@@ -199,17 +113,18 @@ class P2PMatcher(Generic[W]):
             self.waiting.add(work)
             deadlines.add(work)
 
-    def _match(self, group: _Queues[W], src: int, sw: W, rw: W) -> None:
+    def _match(self, group: Group, src: int, sw: EngineWork, rw: EngineWork) -> None:
         for w in (sw, rw):
             self.waiting.discard(w)
             if w._stamp is not None:
                 w._stamp.all_here()  # both sides are here
-        problem = check_transfer(sw._call, rw._call)
+        send, recv = cast(Send, sw._call), cast(Recv, rw._call)
+        problem = check_transfer(send, recv)
         if problem is not None:
             msg = (
                 f"{problem} on group {group.name!r}:\n"
-                f"  rank {src}: {sw._call.describe()} at {_fmt_site(sw._site)}\n"
-                f"  rank {sw._call.dst}: {rw._call.describe()} at {_fmt_site(rw._site)}"
+                f"  rank {src}: {send.describe()} at {_fmt_site(sw._site)}\n"
+                f"  rank {send.dst}: {recv.describe()} at {_fmt_site(rw._site)}"
             )
             errs = [CollectiveMismatchError(msg), CollectiveMismatchError(msg)]
             sw._resolve(exc=errs[0])
@@ -222,9 +137,9 @@ class P2PMatcher(Generic[W]):
         else:
             runner.serial((sw, rw), functools.partial(self._transfer, src, sw, rw))
 
-    def _transfer(self, src: int, sw: W, rw: W) -> None:
+    def _transfer(self, src: int, sw: EngineWork, rw: EngineWork) -> None:
         try:
-            transfer(sw._call, rw._call)
+            transfer(cast(Send, sw._call), cast(Recv, rw._call))
         except Exception as e:
             self._runner.failed((sw, rw), e)
             return
@@ -236,7 +151,7 @@ class P2PMatcher(Generic[W]):
 
     # -- timeouts and abort ------------------------------------------------------------
 
-    def timed_out(self, work: W) -> None:
+    def timed_out(self, work: EngineWork) -> None:
         """``work`` waited the world's timeout unmatched: fail it and abort the world."""
         if work.done():
             self.waiting.discard(work)
@@ -247,23 +162,23 @@ class P2PMatcher(Generic[W]):
         self.give_up(work, err)
         self._engine.abort(None, err)
 
-    def unmatched(self, work: W) -> str:
+    def unmatched(self, work: EngineWork) -> str:
         """What ``work`` is, and who did not match it (for a timeout's report)."""
         call, g = work._call, work._group
-        peer = call.dst if isinstance(call, Send) else call.src
+        peer = call.dst if isinstance(call, Send) else cast(Recv, call).src
         if peer is None:
             who = "no rank sent to it"
         else:
             who = f"rank {g.ranks[peer]} did not match it ({self._engine.ranks[g.ranks[peer]].status()})"
         return f"{work.describe()}; {who}"
 
-    def give_up(self, work: W, err: BaseException) -> None:
+    def give_up(self, work: EngineWork, err: BaseException) -> None:
         """``work`` will never be matched: it leaves its queue and fails with ``err``."""
         self.waiting.discard(work)
         self._remove(work)
         work._resolve(exc=err)
 
-    def _remove(self, work: W) -> None:
+    def _remove(self, work: EngineWork) -> None:
         for g in self._groups():
             for lst in g.recvs.values():
                 if work in lst:
@@ -275,7 +190,7 @@ class P2PMatcher(Generic[W]):
                             q.remove(item)
                             break
 
-    def drop(self, group: _Queues[W], error: Callable[[], BaseException]) -> None:
+    def drop(self, group: Group, error: Callable[[], BaseException]) -> None:
         """The world was aborted: fail the unmatched recvs and sends of ``group``, each with its own ``error()``."""
         waiting = self.waiting
         for lst in group.recvs.values():

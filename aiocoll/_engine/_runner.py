@@ -13,112 +13,54 @@ another process, a seeded release on its way) is counted in flight, so that the
 world's ``Liveness`` does not take its waiting ranks for deadlocked. With a seeded
 schedule, a collective releases its ranks in a random order, some a few loop turns late.
 
-Nothing here imports the engine: it knows works, rendezvous and the world through the
-small protocols below, which ``Work``, ``Rendezvous`` and ``World`` satisfy.
+It names the engine's works, rendezvous and world only for type checking: the world
+(``_engine._world``) imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, cast
 
 from .._errors import AiocollError, CollectiveMismatchError, WorldAbortedError
 from .._ops import _cuda, _device
-from .._ops._cuda import Issue
 from ._liveness import Liveness
-from ._record import Stamp
+
+if TYPE_CHECKING:
+    from .._ops import Call
+    from ._groups import Rendezvous
+    from ._rank import EngineWork
+    from ._world import World
 
 __all__ = ["OpRunner"]
 
-_T = TypeVar("_T")
 _now = time.perf_counter
 
 
-class RunWork(Protocol):
-    """A work, as the runner reads and releases it."""
-
-    @property
-    def _rdv(self) -> object: ...
-    @_rdv.setter
-    def _rdv(self, value: None) -> None:
-        """Cleared once released: it breaks the work <-> rendezvous cycle (freed by refcount, not by gc)."""
-        ...
-
-    @property
-    def _cuda(self) -> Issue | None: ...
-    @property
-    def _stamp(self) -> Stamp | None: ...
-    def _enqueued(self) -> None: ...
-    def _resolve(self, result: Any = None, exc: BaseException | None = None) -> None: ...
-
-
-class _Ready(Protocol[_T]):
-    """A completed rendezvous: every member's call and work (None: a member in another process)."""
-
-    @property
-    def calls(self) -> list[Any]: ...
-    @property
-    def works(self) -> list[_T | None]: ...
-    @property
-    def stamp(self) -> Stamp | None: ...
-    @property
-    def where(self) -> str:
-        """Its place, for messages: ``#3 on group 'world'``."""
-        ...
-
-
-W = TypeVar("W", bound=RunWork)
-
-
-class _Engine(Protocol):
-    """What the runner needs of its world: its threads and lock, the seeded schedule, abort."""
-
-    @property
-    def lock(self) -> threading.RLock | None:
-        """Set when rank threads run the engine (taking turns)."""
-        ...
-
-    @property
-    def turns(self) -> object:
-        """Not None when sync ranks take turns (their schedule then shuffles them, not the runner)."""
-        ...
-
-    @property
-    def rng(self) -> random.Random | None: ...
-    @property
-    def aborted(self) -> BaseException | None: ...
-    def on_loop_thread(self) -> bool: ...
-    def call_soon_threadsafe(self, fn: Callable[..., object], *args: object) -> None: ...
-    def locked(self, fn: Callable[..., object], *args: object) -> None: ...
-    def abort(self, rank: int | None, cause: BaseException) -> None: ...
-
-
-class OpRunner(Generic[W]):
+class OpRunner:
     """Runs a world's ready ops, in order, inline or off the loop, and releases their ranks."""
 
     __slots__ = ("_engine", "_liveness", "_loop", "_queue", "_remote", "busy", "inline_bytes")
 
-    def __init__(self, engine: _Engine, loop: asyncio.AbstractEventLoop, liveness: Liveness) -> None:
+    def __init__(self, engine: World, loop: asyncio.AbstractEventLoop, liveness: Liveness) -> None:
         self._engine = engine
         self._loop = loop
         self._liveness = liveness  # told of ops in flight, and checked when one ends
         self.inline_bytes = _device.INLINE_BYTES  # ops moving more run on the worker thread
         # the works of the op running off the loop (None: none is), and the ops that became
         # ready behind it, with what runs each
-        self.busy: Sequence[W | None] | None = None
-        self._queue: deque[tuple[Sequence[W | None], Callable[[], None]]] = deque()
+        self.busy: Sequence[EngineWork | None] | None = None
+        self._queue: deque[tuple[Sequence[EngineWork | None], Callable[[], None]]] = deque()
         # works waiting on other processes (hybrid worlds): collectives in an exchange, p2p
-        self._remote: set[W] = set()
+        self._remote: set[EngineWork] = set()
 
     # -- running ops, in order ---------------------------------------------------------
 
-    def serial(self, works: Sequence[W | None], fn: Callable[[], None]) -> None:
+    def serial(self, works: Sequence[EngineWork | None], fn: Callable[[], None]) -> None:
         """Run ``fn`` now, or after the op running off the loop and those queued behind it.
 
         Ops complete in the order they became ready, as they would inline: a rank may
@@ -130,7 +72,7 @@ class OpRunner(Generic[W]):
             self._liveness.in_flight += 1  # queued: it will complete, so no deadlock meanwhile
             self._queue.append((works, fn))
 
-    def run(self, rdv: _Ready[W], op: Any) -> None:
+    def run(self, rdv: Rendezvous, op: Any) -> None:
         """Run ``op`` over a completed rendezvous (its checks passed) and release its ranks."""
         if self.busy is not None:  # behind an op running off the loop
             self.serial(rdv.works, functools.partial(self.run, rdv, op))
@@ -156,13 +98,15 @@ class OpRunner(Generic[W]):
         else:
             self._start_off_loop(rdv, op, where)
 
-    def _start_off_loop(self, rdv: _Ready[W], op: Any, where: _device.Placement) -> None:
+    def _start_off_loop(self, rdv: Rendezvous, op: Any, where: _device.Placement) -> None:
         if self._engine.aborted is not None:
             self.busy = None
             self._liveness.in_flight -= 1
             return
         if where is _device.Placement.CUDA:
-            fut = _cuda.run_cuda(self._loop, op.run, rdv.calls, [w._cuda if w else None for w in rdv.works])
+            # (a rendezvous runs here once every member arrived: it has no None left)
+            calls = cast("list[Call]", rdv.calls)
+            fut = _cuda.run_cuda(self._loop, op.run, calls, [w._cuda if w else None for w in rdv.works])
             for w in rdv.works:
                 if w is not None:
                     w._enqueued()
@@ -170,7 +114,7 @@ class OpRunner(Generic[W]):
             fut = _device.run_in_worker(self._loop, op.run, rdv.calls)
         fut.add_done_callback(functools.partial(self._engine.locked, self._ran, rdv))
 
-    def _ran(self, rdv: _Ready[W], fut: asyncio.Future[list[Any]]) -> None:
+    def _ran(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
         """An op that ran off the loop is done: resolve its ranks, then run what queued behind it."""
         self.busy = None
         lv = self._liveness
@@ -191,7 +135,7 @@ class OpRunner(Generic[W]):
 
     # -- releasing ranks ---------------------------------------------------------------
 
-    def _finish(self, rdv: _Ready[W], results: list[Any]) -> None:
+    def _finish(self, rdv: Rendezvous, results: list[Any]) -> None:
         engine = self._engine
         if engine.rng is not None and engine.turns is None:  # (ranks that take turns are shuffled by turns)
             self._resolve_shuffled(rdv.works, results)
@@ -203,7 +147,7 @@ class OpRunner(Generic[W]):
         if rdv.stamp is not None:
             rdv.stamp.ok()
 
-    def _resolve_shuffled(self, works: list[W | None], results: list[Any]) -> None:
+    def _resolve_shuffled(self, works: list[EngineWork | None], results: list[Any]) -> None:
         """A seeded schedule: release the ranks in a random order, some a few loop turns late.
 
         The order in which ranks are released is the order in which they run next, so
@@ -222,14 +166,14 @@ class OpRunner(Generic[W]):
             else:
                 w._resolve(res)
 
-    def _release_later(self, w: W, res: Any, turns: int) -> None:
+    def _release_later(self, w: EngineWork, res: Any, turns: int) -> None:
         if turns:
             self._loop.call_soon(self._release_later, w, res, turns - 1)
             return
         self._liveness.in_flight -= 1
         w._resolve(res)
 
-    def failed(self, works: Sequence[W | None], e: BaseException) -> None:
+    def failed(self, works: Sequence[EngineWork | None], e: BaseException) -> None:
         """An op over ``works`` raised ``e``: every rank gets it, and the world is aborted."""
         # Arguments were validated before the call joined, so this is unexpected: keep the
         # original error type for every rank, and abort the world.
@@ -238,7 +182,7 @@ class OpRunner(Generic[W]):
                 w._resolve(exc=e)
         self._engine.abort(None, e)
 
-    def fail_each(self, works: Sequence[W | None], cls: type[AiocollError], message: str) -> None:
+    def fail_each(self, works: Sequence[EngineWork | None], cls: type[AiocollError], message: str) -> None:
         """Fail ``works`` with an error ``cls(message)`` each (one per rank), and abort the world with the first."""
         first: AiocollError | None = None
         for w in works:
@@ -250,13 +194,13 @@ class OpRunner(Generic[W]):
 
     # -- ops in other processes (hybrid worlds) ------------------------------------------
 
-    def exchange(self, rdv: _Ready[W], fut: asyncio.Future[list[Any]]) -> None:
+    def exchange(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
         """The bridge runs ``rdv``'s op with the other processes: release its ranks when ``fut`` ends."""
         self._liveness.in_flight += 1  # the exchange will end (or fail): no deadlock meanwhile
         self._remote.update(w for w in rdv.works if w is not None)
         fut.add_done_callback(functools.partial(self._exchanged, rdv))
 
-    def _exchanged(self, rdv: _Ready[W], fut: asyncio.Future[list[Any]]) -> None:
+    def _exchanged(self, rdv: Rendezvous, fut: asyncio.Future[list[Any]]) -> None:
         self._liveness.in_flight -= 1
         self._remote.difference_update(rdv.works)
         exc = None if fut.cancelled() else fut.exception()
@@ -272,13 +216,13 @@ class OpRunner(Generic[W]):
             self._finish(rdv, fut.result())
         self._liveness.check()
 
-    def remote(self, work: W, fut: asyncio.Future[Any]) -> None:
+    def remote(self, work: EngineWork, fut: asyncio.Future[Any]) -> None:
         """A send or recv whose peer is in another process: complete ``work`` when ``fut`` does."""
         self._liveness.in_flight += 1  # the other process will answer, or the group's timeout will
         self._remote.add(work)
         fut.add_done_callback(functools.partial(self._remote_done, work))
 
-    def _remote_done(self, work: W, fut: asyncio.Future[Any]) -> None:
+    def _remote_done(self, work: EngineWork, fut: asyncio.Future[Any]) -> None:
         self._liveness.in_flight -= 1
         self._remote.discard(work)
         exc = WorldAbortedError("cancelled") if fut.cancelled() else fut.exception()

@@ -27,27 +27,19 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._current import RANK
 from .._stats import Phase
 
 if TYPE_CHECKING:
-    from ._world import RankState, World
+    from ._rank import RankState
+    from ._world import World
 
-__all__ = ["CONTEXTS", "RANK", "Counts", "RankTasks", "WorldTasks", "install", "task_factory"]
+__all__ = ["CONTEXTS", "RANK", "RankTasks", "WorldTasks", "install", "task_factory"]
 
 # RANK (``_current``'s): the rank a task or thread acts for, set by its rank's own task or
 # thread, inherited by the tasks it creates
-
-
-class Counts(Protocol):
-    """What task tracking needs of a rank (``RankState``): its counts of live and parked tasks."""
-
-    live: int
-    parked: int
-
-    def _change(self, dlive: int, dparked: int) -> None: ...
 
 
 class RankTasks:
@@ -55,7 +47,7 @@ class RankTasks:
 
     __slots__ = ("counts", "gathering", "helpers", "holding", "loop", "recheck", "starting", "task")
 
-    def __init__(self, counts: Counts, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, counts: RankState, loop: asyncio.AbstractEventLoop) -> None:
         self.counts = counts
         self.loop = loop
         self.task: asyncio.Task[object] | None = None  # the rank's own task (async ranks)

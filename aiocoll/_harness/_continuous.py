@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _patches, _torch, _watchdog
-from .._engine._world import RankState, current_rank_state
+from .._engine._rank import RankState, current_rank_state
 from .._lifecycle._outcome import echoes_abort
 from .._lifecycle._procworld import GRACE, InProcessWorld, pause
 from .._process import _procstate

@@ -26,9 +26,10 @@ from .._diagnostics import _frdump
 from .._diagnostics._output import prefixed_output
 from .._engine._engine_comm import EngineComm
 from .._engine._faults import FaultPlan
+from .._engine._rank import RankState, rank_var
 from .._engine._record import Recorder
 from .._engine._turns import SameCpu, StallWatch, Turns
-from .._engine._world import RankState, World, install_task_tracking, rank_var
+from .._engine._world import World, install_task_tracking
 from .._errors import InvalidArgumentError, RankExitedError
 from .._process._locals import RankLocals
 from ._config import WorldConfig
@@ -180,7 +181,7 @@ class WorldRun:
         for st, r in zip(local, self.runners, strict=True):
             st.tasks.task = r if isinstance(r, asyncio.Task) else None
             if w.turns is None:  # (a rank thread taking turns leaves in its own thread)
-                r.add_done_callback(st._task_done)
+                r.add_done_callback(st.task_done)
         try:
             await asyncio.wait(self.runners)
             # tasks a rank created and left running would outlive the world

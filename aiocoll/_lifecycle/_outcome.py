@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from .._errors import WorldAbortedError
 
 if TYPE_CHECKING:
-    from .._engine._world import EngineWork, RankState, World
+    from .._engine._rank import EngineWork, RankState
+    from .._engine._world import World
 
 __all__ = ["Outcome", "echoes_abort", "exit_status", "sees_through", "warn_unmatched"]
 
@@ -141,7 +142,7 @@ def warn_unmatched(works: list[EngineWork], what: str, stacklevel: int) -> None:
     Say so rather than pass silently.
     """
     if works:
-        lines = "\n".join(f"  rank {x._rank.rank}: {x.describe()}" for x in works)
+        lines = "\n".join(f"  rank {x.owner}: {x.describe()}" for x in works)
         warnings.warn(
             f"aiocoll: {what} ended with {len(works)} operation(s) no peer ever matched:\n{lines}",
             RuntimeWarning,

@@ -40,7 +40,8 @@ from .._c10d import _backend as _c10d
 from .._c10d import _belongings
 from .._c10d._backend import BACKEND
 from .._comm import Comm
-from .._engine._world import World, current_rank_state
+from .._engine._rank import current_rank_state
+from .._engine._world import World
 from .._errors import WorldAbortedError
 from .._paths import PACKAGE_DIR
 from .._process import _procstate

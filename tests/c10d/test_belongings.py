@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import aiocoll
 from aiocoll import _collector, _torch
 from aiocoll._c10d import _belongings
-from aiocoll._engine._world import current_rank_state
+from aiocoll._engine._rank import current_rank_state
 from aiocoll._harness._harness import Settings
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -109,7 +109,7 @@ def test_torch_s_default_timeout_is_not_a_group_s_own() -> None:
     # applies, and with it deadlocks reported at once, not after an hour
     def fn(comm: Comm) -> list[object]:
         return [
-            dist.new_group(timeout=t)._comm._group.own_timeout  # type: ignore[attr-defined]
+            dist.new_group(timeout=t)._comm.group.own_timeout  # type: ignore[attr-defined]
             for t in (None, timedelta(minutes=30), timedelta(seconds=5))
         ]
 

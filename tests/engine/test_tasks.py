@@ -2,7 +2,7 @@
 
 The engine's end-to-end behaviour (deadlocks found in gathers, task groups, eager
 factories) is tested through ``spawn`` in ``test_failures.py`` and ``test_task_factory.py``;
-here a fake rank (``Counts``) shows what the module itself does.
+here a fake rank (the counts ``RankState`` keeps) shows what the module itself does.
 """
 
 from __future__ import annotations

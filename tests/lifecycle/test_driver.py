@@ -66,7 +66,7 @@ def test_find_failing_seed_passes_the_other_keywords_on() -> None:
     seen: list[float | None] = []
 
     async def fn(comm: aiocoll.Comm) -> None:
-        from aiocoll._engine._world import current_rank_state
+        from aiocoll._engine._rank import current_rank_state
 
         st = current_rank_state()
         assert st is not None
@@ -148,7 +148,7 @@ def test_a_hosted_world_gives_up_on_ranks_that_never_end_and_fails_their_waits()
     import threading
 
     from aiocoll._engine._engine_comm import EngineComm
-    from aiocoll._engine._world import rank_var
+    from aiocoll._engine._rank import rank_var
 
     run, wt = _hosted(2)
     w = run.world()

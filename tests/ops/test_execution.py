@@ -168,7 +168,7 @@ def test_latch_for_thread_waits() -> None:
     # the one-lock latch rank threads wait on: Event's semantics, every waiter released by one set()
     import threading
 
-    from aiocoll._engine._world import _Latch
+    from aiocoll._engine._rank import _Latch
 
     latch = _Latch()
     assert not latch.wait(0)

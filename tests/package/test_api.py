@@ -14,7 +14,7 @@ import aiocoll
 from aiocoll import Comm, RankStatistics, Statistics
 from aiocoll._bridge._pg import PGWork, ProcessGroupComm
 from aiocoll._engine._engine_comm import EngineComm
-from aiocoll._engine._world import EngineWork
+from aiocoll._engine._rank import EngineWork
 from aiocoll._ops import Barrier
 
 

@@ -30,7 +30,7 @@ WITH_EXAMPLES = {
     for m in (
         "_c10d._backend",
         "_comm",
-        "_engine._world",
+        "_engine._rank",
         "_engine._engine_comm",
         "_errors",
         "_ops",
