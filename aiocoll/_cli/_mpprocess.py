@@ -98,7 +98,7 @@ def reaches_init(process: mp_process.BaseProcess, target: object) -> bool:
     class is the script's), and that of the script's own functions and classes those name,
     through the globals of the module each is defined in. Code of the standard library
     and of installed packages is not read: a process that initialises torch.distributed
-    only there is not seen to (``tests/test_run_process_ranks.py`` has examples). A name
+    only there is not seen to (``tests/cli/test_run_process_ranks.py`` has examples). A name
     bound to torch's function itself (``from torch.distributed import init_process_group as
     init``) counts as a call of it.
     """

@@ -279,7 +279,7 @@ class EngineWork(Work):
     def __init__(self, group: Group, grank: int, call: Call, site: Site | None, threaded: bool = False) -> None:
         world = group.world
         # Work.__init__'s three fields, set here: a call to it would cost 0.1 us per rank
-        # per op, 3% of a 64-rank all_reduce (tests/test_api.py checks none is missed)
+        # per op, 3% of a 64-rank all_reduce (tests/package/test_api.py checks none is missed)
         self._fut = world.loop.create_future()
         self._call = call
         self._site = site
