@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["C10D_TARGETS", "C10dState", "c10d_changes", "check_c10d"]
 
 
-# -- per-rank c10d state --------------------------------------------------------------
-
 _World: type = _need(_c10d, "_World", "distributed_c10d._World (c10d's state object)")
 # the properties of _World that read module globals; the rest keep state per instance
 _GLOBAL_PROPERTIES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
@@ -232,7 +230,7 @@ def c10d_changes(
 
     # (torch's init_process_group wraps the hook per rank: what was there comes back, whatever it became)
     changes: list[Change] = [Attr(sys, "excepthook", saved_hook, restore="always")]
-    modules: tuple[Any, ...] = (_c10d, dist)
+    modules: tuple[object, ...] = (_c10d, dist)
     for module in modules:
         if getattr(module, "monitored_barrier", None) is saved_barrier:
             changes.append(Attr(module, "monitored_barrier", monitored_barrier))

@@ -10,9 +10,6 @@ from ._compat import _C
 __all__ = ["fr_accepts", "fr_format_version"]
 
 
-# -- torch's Flight Recorder analyzer (``aiocoll._diagnostics._frdump`` writes dumps it reads) ------------------
-
-
 @functools.cache
 def fr_format_version() -> str:
     """The dump format version this torch's own Flight Recorder writes ("2.10" on 2.10-2.15).

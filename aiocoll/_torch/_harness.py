@@ -88,6 +88,9 @@ class threaded_harness:
         return _need(dist.Backend, "_BackendPlugin", "torch.distributed.Backend._BackendPlugin")(creator, True)
 
 
+# -- torch's multi-process test harness (torch.testing._internal) ---------------------
+
+
 class process_harness:
     """What ``aiocoll.testing`` hooks in torch's multi-process test harness (2.10-2.15).
 

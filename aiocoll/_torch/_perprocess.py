@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +74,9 @@ class module_hooks:
         module_hooks._namespace()[0].update(state)
 
 
+# -- the profiler, DDP's logging data, torch.multiprocessing.spawn's children ----------
+
+
 def profiler_start() -> tuple[type, str]:
     """``(class, method name)`` of what starts a session of torch's profiler, one per process.
 
@@ -127,7 +129,7 @@ def ddp_backend_logging(real: dist.ProcessGroup) -> dict[str, object]:
     return out
 
 
-def spawned_function(target: object, args: tuple[Any, ...]) -> object:
+def spawned_function(target: object, args: tuple[object, ...]) -> object:
     """The function a ``torch.multiprocessing.spawn`` child runs, for a ``Process`` target of its
     private ``_wrap(fn, i, args, error_file)`` (2.10-2.15); any other ``target`` as it is."""
     # (the module: torch.multiprocessing's attribute of that name is its spawn function)
