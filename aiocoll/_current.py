@@ -11,9 +11,9 @@ Everything aiocoll keeps per rank is reached from here, through exactly two slot
   declared by the modules that keep it as ``Facet``\\ s: its environment view, ``atexit``
   list and logging (``_procstate``), its generators (``_locals``), its ``__main__``
   (``_rankmain``), where its output goes (``_runlogs``), its harness world
-  (``_procworld``), its CUDA device choice (``_torch``). A thread-local, because these
-  are a thread's: torch's own harness starts rank threads without a copied context,
-  and C++ starts threads with none.
+  (``_procworld``), its CUDA device choice (``_torch._cuda``). A thread-local, because
+  these are a thread's: torch's own harness starts rank threads without a copied
+  context, and C++ starts threads with none.
 
 A facet is ``carried`` when the threads the rank starts share it, as a process's threads
 share its environment (``carried()`` binds those in the new thread), and not when it is

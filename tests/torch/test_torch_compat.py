@@ -1,7 +1,13 @@
-"""aiocoll/_torch/: the one module that touches torch's private names, and what it adapts."""
+"""aiocoll/_torch/: the one package that touches torch's private names, and what it adapts.
+
+A test that changes its state or replaces a name changes it in the module that reads it
+(``_torch._core``, ``_torch._c10dstate``, ...), not on the package's face, where it would
+change nothing.
+"""
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import subprocess
@@ -18,6 +24,7 @@ import torch.distributed as dist
 import aiocoll
 import aiocoll.testing
 from aiocoll import _patches, _torch
+from aiocoll._torch import _c10dstate, _core, _dtensor, _groups
 
 PACKAGE = Path(aiocoll.__file__).parent
 
@@ -48,7 +55,7 @@ def _code_only(source: str) -> list[tuple[int, str]]:
     return out
 
 
-def test_only_the_compat_module_uses_torchs_private_names() -> None:
+def test_only_the_compat_package_uses_torchs_private_names() -> None:
     offenders = [
         f"{path.relative_to(PACKAGE)}:{n}: {code.strip()}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -69,9 +76,24 @@ def test_the_guard_sees_private_names() -> None:
     assert hits == [1, 2, 3, 4]
 
 
+def test_the_packages_state_lives_in_one_module_each() -> None:
+    # a name a module rebinds (``global``) is that module's alone, and not on the face, where
+    # a test that reset it would reset nothing
+    owners: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "_torch").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                for name in node.names:
+                    owners.setdefault(name, set()).add(path.stem)
+    assert owners["_prepared"] == {"_core"}
+    assert owners["_checked"] == {"_c10dstate"}
+    assert all(len(modules) == 1 for modules in owners.values()), owners
+    assert not owners.keys() & vars(_torch).keys()
+
+
 def test_spawn_under_no_grad_and_inference_mode() -> None:
     # the one-time set-up before rank threads runs a backward, whatever the caller's mode
-    _torch._prepared = False
+    _core._prepared = False
 
     def fn(comm: aiocoll.Comm) -> float:
         t = torch.ones(1)
@@ -80,31 +102,33 @@ def test_spawn_under_no_grad_and_inference_mode() -> None:
 
     with torch.no_grad():
         assert aiocoll.spawn(fn, world=2) == [2.0, 2.0]
-    _torch._prepared = False
+    assert _core._prepared  # (spawn ran the set-up again, under no_grad)
+    _core._prepared = False
     with torch.inference_mode():
         assert aiocoll.spawn(fn, world=2) == [2.0, 2.0]
+    assert _core._prepared
 
 
 def test_the_check_passes_on_this_torch() -> None:
-    _torch._checked = None
+    _c10dstate._checked = None
     _torch.check_c10d()
-    assert _torch._checked == torch.__version__
+    assert _c10dstate._checked == torch.__version__
 
 
 def test_a_torch_that_shares_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     shared: dict[Any, Any] = {}
 
-    class FutureWorld(_torch._World):  # type: ignore[misc,name-defined]
+    class FutureWorld(_c10dstate._World):  # type: ignore[misc,name-defined]
         @property
         def pg_new_thing(self) -> dict[Any, Any]:
             return shared  # a module global, as torch keeps pg_map
 
-    class State(_torch.C10dState, FutureWorld):  # type: ignore[misc]
+    class State(_c10dstate.C10dState, FutureWorld):  # type: ignore[misc]
         pass
 
-    monkeypatch.setattr(_torch, "_World", FutureWorld)
-    monkeypatch.setattr(_torch, "C10dState", State)
-    monkeypatch.setattr(_torch, "_checked", None)
+    monkeypatch.setattr(_c10dstate, "_World", FutureWorld)
+    monkeypatch.setattr(_c10dstate, "C10dState", State)
+    monkeypatch.setattr(_c10dstate, "_checked", None)
     with pytest.raises(aiocoll.TorchCompatError, match=r"'pg_new_thing' is shared.*tested on torch 2\.10 to 2\.15"):
         _torch.check_c10d()
 
@@ -130,7 +154,7 @@ def test_premul_factor_on_every_release() -> None:
 def test_the_process_group_answers_to_both_generations_of_method_names() -> None:
     from aiocoll._c10d._backend import AiocollProcessGroup
 
-    for new, old in _torch._LEGACY_PG_METHODS.items():
+    for new, old in _groups._LEGACY_PG_METHODS.items():
         assert getattr(AiocollProcessGroup, old) is getattr(AiocollProcessGroup, new), old
 
 
@@ -198,7 +222,7 @@ def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.Mo
     # torch 2.11 added _World.comms but not to the harness's ThreadLocalWorld
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 
-    class NewerWorld(_torch._World):  # type: ignore[misc,name-defined]
+    class NewerWorld(_c10dstate._World):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             super().__init__()
             self._pg_new_thing: list[Any] = []
@@ -207,7 +231,7 @@ def test_the_threaded_harness_gets_the_state_torch_forgot(monkeypatch: pytest.Mo
         def pg_new_thing(self) -> list[Any]:
             return self._pg_new_thing
 
-    monkeypatch.setattr(_torch, "_World", NewerWorld)
+    monkeypatch.setattr(_c10dstate, "_World", NewerWorld)
     changes = _torch.threaded_harness.mend_thread_local_world()
     added = [c.name for c in changes]
     mended = _patches.PatchSet("a test's mended world", "a test's", lambda key: changes, ["*.ThreadLocalWorld.*"])
@@ -271,10 +295,10 @@ def test_rank_threads_free_dtensors_per_thread_cache_in_their_turn() -> None:
     def fn(comm: aiocoll.Comm) -> tuple[bool, bool]:
         mesh = init_device_mesh("cpu", (2,))
         (distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2).sum().full_tensor()
-        state = _torch._thread_state_dict()
+        state = _dtensor._thread_state_dict()
         assert state is not None
-        had = _torch._DTENSOR_THREAD_CACHE in state
+        had = _dtensor._DTENSOR_THREAD_CACHE in state
         _torch.drop_thread_caches()
-        return had, _torch._DTENSOR_THREAD_CACHE in state
+        return had, _dtensor._DTENSOR_THREAD_CACHE in state
 
     assert aiocoll.spawn(fn, world=2) == [(True, False)] * 2
