@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
+    from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
 __all__ = ["ContinuousRanks"]
 
 _log = logging.getLogger("aiocoll.testing")  # (the logger of the public module: where users look)
@@ -226,7 +228,7 @@ class ContinuousRanks:
 
     def __init__(
         self,
-        cls: type,
+        cls: type[MultiProcContinuousTest],
         size: int,
         settings: Settings,
         fallbacks: list[tuple[str, str]],
@@ -299,7 +301,8 @@ class ContinuousRanks:
 
         def rank_main(rank: int) -> None:
             try:
-                rank_class(cls)._worker_loop(rank, size, rdvz_file, tasks[rank], _Results(self, rank))
+                # (torch leaves _worker_loop unannotated)
+                rank_class(cls)._worker_loop(rank, size, rdvz_file, tasks[rank], _Results(self, rank))  # type: ignore[no-untyped-call]
             except SystemExit as e:  # out of _init_pg (torch 2.10 lets it through)
                 code = exit_code(e)
                 if code in skips:
