@@ -178,7 +178,7 @@ class SeedFailure:
 
 
 def find_failing_seed(
-    fn: Callable[[Comm], Any], world: int, seeds: Iterable[int] = range(100), **options: Unpack[SpawnOptions]
+    fn: Callable[[Comm], object], world: int, seeds: Iterable[int] = range(100), **options: Unpack[SpawnOptions]
 ) -> SeedFailure | None:
     """Run ``spawn(fn, world, schedule_seed=s)`` for each seed; the first that fails, or None.
 

@@ -70,7 +70,7 @@ class Work(abc.ABC):
 
     __slots__ = ("_call", "_fut", "_site")
 
-    def __init__(self, fut: asyncio.Future[Any], call: Call, site: Site | None) -> None:
+    def __init__(self, fut: asyncio.Future[object], call: Call, site: Site | None) -> None:
         self._fut = fut  # completed with the op's result or error, on the loop of the ranks
         self._call = call  # an op's call (_ops); the engine reads the fields of the p2p calls it matches
         self._site = site
@@ -85,7 +85,8 @@ class Work(abc.ABC):
     def _owner(self) -> int:
         """The rank that issued it, for reports."""
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    # (the result stays Any, here and in wait() and result(): its type is the op's, which Work does not know)
+    def __await__(self) -> Generator[object, None, Any]:
         return (yield from self._fut)
 
     @abc.abstractmethod
@@ -100,7 +101,7 @@ class Work(abc.ABC):
             comm.all_reduce(t).wait()      # in a rank thread, as dist.all_reduce blocks
         """
 
-    def torch_future(self, value: Any) -> torch.futures.Future[Any]:
+    def torch_future(self, value: object) -> torch.futures.Future[object]:
         """A torch Future completed with ``value`` when this work completes, failed (in C++ too) when it fails.
 
         What the torch.distributed adapter hands out as ``get_future()``::
@@ -110,7 +111,7 @@ class Work(abc.ABC):
         futs = TorchFutures()
         tf = futs.add(value)
 
-        def done(f: asyncio.Future[Any]) -> None:
+        def done(f: asyncio.Future[object]) -> None:
             futs.settle(cancelled_error(self.describe()) if f.cancelled() else f.exception())
 
         self._fut.add_done_callback(done)
@@ -174,7 +175,7 @@ class _Failed:
         self.error = error
 
 
-def _unwrap(source: torch.futures.Future[Any]) -> Any:
+def _unwrap(source: torch.futures.Future[object]) -> object:
     """The callback between a source future and the one torch gets: raising here fails it in C++."""
     value = source.value()
     if type(value) is _Failed:
@@ -220,13 +221,13 @@ class TorchFutures:
     def __init__(self) -> None:
         # futures are asked for in rank threads and settled on the loop's thread
         self._lock = threading.Lock()
-        self._pending: list[tuple[torch.futures.Future[Any], Any]] = []
+        self._pending: list[tuple[torch.futures.Future[object], object]] = []
         self._outcome: tuple[Exception | None] | None = None  # once settled: (its error or None,)
 
-    def add(self, value: Any) -> torch.futures.Future[Any]:
+    def add(self, value: object) -> torch.futures.Future[object]:
         """A future completed with ``value``, or failed with the work's error."""
-        source: torch.futures.Future[Any] = torch.futures.Future()
-        handed: torch.futures.Future[Any] = source.then(_unwrap)
+        source: torch.futures.Future[object] = torch.futures.Future()
+        handed: torch.futures.Future[object] = source.then(_unwrap)
         with self._lock:
             outcome = self._outcome
             if outcome is None:
@@ -264,7 +265,7 @@ def _as_exception(exc: BaseException) -> Exception:
     return err
 
 
-def _complete(source: torch.futures.Future[Any], value: Any, err: Exception | None) -> None:
+def _complete(source: torch.futures.Future[object], value: object, err: Exception | None) -> None:
     source.set_result(value if err is None else _Failed(err))
 
 

@@ -47,11 +47,11 @@ import os
 import re
 import sysconfig
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal, cast
+from typing import Literal, NoReturn, SupportsFloat, cast
 
 import pytest
 import torch
@@ -100,7 +100,7 @@ class _Settings:
 class _WorldRun:
     """How one marked test runs: resolved at setup, so bad settings fail there."""
 
-    fn: Callable[..., Any]  # before pytest-asyncio swaps the item's obj for its own runner
+    fn: Callable[..., object]  # before pytest-asyncio swaps the item's obj for its own runner
     world: int
     timeout: float | None
     loop: _Loop
@@ -217,7 +217,8 @@ def _parse_timeout(raw: object, where: str) -> float | None:
     if raw is None or (isinstance(raw, str) and raw.strip().lower() == "none"):
         return None
     try:
-        t = float(cast(Any, raw)) if not isinstance(raw, bool) else 0.0
+        # (float() judges raw itself: anything else raises the TypeError below)
+        t = float(cast("str | SupportsFloat", raw)) if not isinstance(raw, bool) else 0.0
     except (TypeError, ValueError):
         t = 0.0
     if not t > 0:
@@ -286,7 +287,7 @@ def comm(request: pytest.FixtureRequest) -> Comm:
 class _NotARank:
     """What a fixture depending on ``comm`` gets: fixtures are set up once, before the ranks exist."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise RuntimeError(
             f"aiocoll: comm.{name} used outside the test body: only the test function of a "
             "@pytest.mark.world test gets its rank's Comm (other fixtures are set up once, shared by all ranks)"
@@ -303,7 +304,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     settings = item.config.stash[_SETTINGS]
     try:
-        given: dict[str, Any] = {**dict(zip(("n",), marker.args, strict=False)), **marker.kwargs}
+        given: dict[str, object] = {**dict(zip(("n",), marker.args, strict=False)), **marker.kwargs}
         if len(marker.args) > 1 or set(given) - {"n", "timeout", "loop"} or ("n" in marker.kwargs and marker.args):
             raise ValueError(f"@pytest.mark.world takes (n=None, *, timeout=..., loop=...), got {marker}")
         world = settings.world if given.get("n") is None else _parse_world(given["n"], "@pytest.mark.world")
@@ -340,13 +341,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     world: _AsyncWorld | _SyncWorld
     if inspect.iscoroutinefunction(fn):
 
-        async def async_rank(c: Comm) -> Any:
+        async def async_rank(c: Comm) -> object:
             return await fn(**_with_comm(args, c))
 
         world = _AsyncWorld(async_rank, run)
     else:
 
-        def sync_rank(c: Comm) -> Any:
+        def sync_rank(c: Comm) -> object:
             return fn(**_with_comm(args, c))
 
         world = _SyncWorld(sync_rank, run)
@@ -374,7 +375,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-def _with_comm(args: dict[str, Any], c: Comm) -> dict[str, Any]:
+def _with_comm(args: dict[str, object], c: Comm) -> dict[str, object]:
     return {**args, "comm": c} if "comm" in args else args
 
 
@@ -388,13 +389,13 @@ class _SyncWorld:
     of the rank that kept the others waiting, and stuck ranks are left behind.
     """
 
-    def __init__(self, fn: Callable[[Comm], Any], run: _WorldRun) -> None:
-        self._world: WorldThread[list[Any]] = WorldThread(
+    def __init__(self, fn: Callable[[Comm], object], run: _WorldRun) -> None:
+        self._world: WorldThread[list[object]] = WorldThread(
             lambda: spawn_async(fn, run.world, timeout=run.timeout, record=run.record, trace=run.trace), run.loop
         )
         self._size = run.world
 
-    def result(self) -> list[Any]:
+    def result(self) -> list[object]:
         __tracebackhide__ = True
         wt = self._world
         wt.start()
@@ -437,14 +438,14 @@ class _AsyncWorld:
     waiting is.
     """
 
-    def __init__(self, fn: Callable[[Comm], Coroutine[Any, Any, Any]], run: _WorldRun) -> None:
+    def __init__(self, fn: Callable[[Comm], Coroutine[object, None, object]], run: _WorldRun) -> None:
         self._fn = fn
         self._run = run
-        self._main: asyncio.Task[Any] | None = None
+        self._main: asyncio.Task[object] | None = None
         self._interrupt: BaseException | None = None
         self._busy: dict[int, TracebackType] = {}
 
-    def result(self) -> list[Any]:
+    def result(self) -> list[object]:
         __tracebackhide__ = True
         with asyncio.Runner(loop_factory=self._new_loop) as runner:
             try:
@@ -463,7 +464,7 @@ class _AsyncWorld:
         _blame(interrupt, self._busy, self._run.world, "running ({where}); every rank was cancelled")
         raise interrupt
 
-    async def _world(self) -> list[Any]:
+    async def _world(self) -> list[object]:
         self._main = asyncio.current_task()
         return await spawn_async(
             self._fn, self._run.world, timeout=self._run.timeout, record=self._run.record, trace=self._run.trace
@@ -474,10 +475,10 @@ class _AsyncWorld:
         loop.set_exception_handler(self._on_error)
         return loop
 
-    def _on_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    def _on_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
         exc = context.get("exception")
-        interrupted = isinstance(exc, BaseException) and not isinstance(exc, (Exception, asyncio.CancelledError))
-        if interrupted and self._main is not None and self._interrupt is None:
+        interrupted = not isinstance(exc, (Exception, asyncio.CancelledError))
+        if isinstance(exc, BaseException) and interrupted and self._main is not None and self._interrupt is None:
             self._interrupt, self._busy = exc, self._ranks(loop)
             self._main.cancel()
             return
@@ -559,7 +560,9 @@ _SITE = _dirs(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     ours = call.when == "call" and call.excinfo is not None and _RUN in item.stash
     if ours and call.excinfo is not None and isinstance(call.excinfo.value, AiocollError):
         _hide_aiocoll_frames(item)

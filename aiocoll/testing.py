@@ -78,7 +78,7 @@ import sys
 import threading
 import unittest
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -95,6 +95,13 @@ from ._lifecycle._config import DEFAULT_TIMEOUT, WorldConfig
 from ._lifecycle._driver import HostedRun
 from ._lifecycle._outcome import echoes_abort, warn_unmatched
 from ._lifecycle._worldthread import WorldThread
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+    from ._torch import DistributedBackendOptions
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 
@@ -309,7 +316,7 @@ class _DefaultGroup(AiocollProcessGroup):
         self._run.rank_ended(self._st, None)
 
 
-def _create_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup:
+def _create_group(opts: DistributedBackendOptions, backend_options: object = None) -> AiocollProcessGroup:
     """Backend "threaded" while replaced: aiocoll groups; a thread's first one binds it to its rank."""
     global _current
     if _rank_of(_current) is not None:
@@ -333,7 +340,7 @@ def _create_group(opts: Any, backend_options: Any = None) -> AiocollProcessGroup
     return _DefaultGroup(run, st, str(opts.group_id))
 
 
-def _harness_mesh_made(mesh: Any) -> None:
+def _harness_mesh_made(mesh: object) -> None:
     st = _rank_of(_current)
     if st is not None:
         _c10d.belong(st.world, "mesh", mesh)
@@ -370,13 +377,17 @@ def _reset(cls: type) -> None:
     warn_unmatched(leftovers, "the test", stacklevel=3)
 
 
-def _keep_root_causes(run: _HarnessRun, q: queue.Queue[Any]) -> None:
+# what a rank of torch's threaded harness puts in its exception queue, with its rank: sys.exc_info()
+_ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+
+
+def _keep_root_causes(run: _HarnessRun, q: queue.Queue[tuple[int, _ExcInfo]]) -> None:
     """Leave in the harness's queue only what went wrong first, as ``spawn`` reports it.
 
     The ranks an abort released only echo the root cause, and ranks failing with the
     same error (one mismatch or deadlock seen by all) would repeat it: keep one of each.
     """
-    entries: list[tuple[int, Any]] = []
+    entries: list[tuple[int, _ExcInfo]] = []
     while True:
         try:
             entries.append(q.get_nowait())
@@ -503,7 +514,14 @@ def replace_process_harness(
 
 _process_lock = threading.Lock()
 _process_active: list[ProcessHarnessReplacement] = []
-_process_saved: dict[str, Any] = {}
+
+
+class _Saved(TypedDict, total=False):
+    case: dict[str, Callable[..., None]]  # MultiProcessTestCase's _start_processes, _join_processes
+    continuous: Callable[[type, int], None]  # MultiProcContinuousTest._spawn_processes's function
+
+
+_process_saved: _Saved = {}
 _SPAWN_CONTINUOUS = "_spawn_processes"  # MultiProcContinuousTest's classmethod, replaced while patched
 _DEFERRED = "_aiocoll_deferred_start"  # on a test object: the Process factory its start was deferred with
 
@@ -520,7 +538,7 @@ def _process_harness_changes(key: object) -> list[_patches.Change]:
         _patches.Attr(case, "_join_processes", _join_processes),
     ]
     if continuous is not None:
-        _process_saved["continuous"] = continuous.__dict__[_SPAWN_CONTINUOUS]
+        _process_saved["continuous"] = continuous.__dict__[_SPAWN_CONTINUOUS].__func__
         changes.append(_patches.Attr(continuous, _SPAWN_CONTINUOUS, classmethod(_spawn_continuous)))
     return changes
 
@@ -544,7 +562,7 @@ def _settings() -> ProcessHarnessReplacement | None:
         return _process_active[-1] if _process_active else None
 
 
-def _start_processes(self: Any, proc: Any) -> None:
+def _start_processes(self: MultiProcessTestCase, proc: object) -> None:
     """MultiProcessTestCase._start_processes while replaced: nothing starts yet (see _join_processes)."""
     if _settings() is None or getattr(self, _DEFERRED, None) is False:
         _process_saved["case"]["_start_processes"](self, proc)
@@ -553,7 +571,7 @@ def _start_processes(self: Any, proc: Any) -> None:
     setattr(self, _DEFERRED, proc)
 
 
-def _join_processes(self: Any, fn: Any) -> None:
+def _join_processes(self: MultiProcessTestCase, fn: object) -> None:
     """MultiProcessTestCase._join_processes while replaced: the ranks run here, or in processes if they must."""
     proc = getattr(self, _DEFERRED, None)
     replacement = _settings()
@@ -583,7 +601,7 @@ def _join_processes(self: Any, fn: Any) -> None:
     _process_saved["case"]["_join_processes"](self, fn)
 
 
-def _needs_processes(case: Any, fn: Any) -> str | None:
+def _needs_processes(case: MultiProcessTestCase, fn: object) -> str | None:
     """Why a test cannot run in-process, seen before it runs, or None."""
     if fn in getattr(case, "skip_return_code_checks", ()):
         return "takes any exit code of its processes (skip_return_code_checks)"
@@ -593,14 +611,14 @@ def _needs_processes(case: Any, fn: Any) -> str | None:
     return None
 
 
-def _spawn_continuous(cls: Any, world_size: int) -> None:
+def _spawn_continuous(cls: Any, world_size: int) -> None:  # (Any: it sets attributes torch's class leaves out)
     """MultiProcContinuousTest._spawn_processes while replaced: workers of this process."""
     replacement = _settings()
     if replacement is None:
-        _process_saved["continuous"].__func__(cls, world_size)
+        _process_saved["continuous"](cls, world_size)
         return
     ranks = _continuous.ContinuousRanks(
-        cls, int(world_size), replacement.settings, replacement.fallbacks, _process_saved["continuous"].__func__
+        cls, int(world_size), replacement.settings, replacement.fallbacks, _process_saved["continuous"]
     )
     cls.rdvz_file = ranks.rdvz_file
     cls.processes, cls.task_queues, cls.completion_queues = ranks.processes, ranks.task_queues, ranks.completion_queues

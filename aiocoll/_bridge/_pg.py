@@ -17,7 +17,6 @@ Its parts, each a module of its own:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import torch.distributed as dist
 
@@ -45,7 +44,7 @@ class PGWork(Work):
 
     __slots__ = ("_grank", "_group_name")
 
-    def __init__(self, fut: asyncio.Future[Any], call: ops.Call, rank: int, group: str, site: Site | None) -> None:
+    def __init__(self, fut: asyncio.Future[object], call: ops.Call, rank: int, group: str, site: Site | None) -> None:
         super().__init__(fut, call, site)
         self._grank = rank
         self._group_name = group
@@ -58,7 +57,7 @@ class PGWork(Work):
     def _owner(self) -> int:
         return self._grank
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> object:
         """Block the calling thread (not the loop's) until done; return the result or raise."""
         fut = self._fut
         loop = fut.get_loop()
@@ -70,7 +69,7 @@ class PGWork(Work):
             if on_loop:
                 raise BlockingCallError(f"blocking wait for {self._call.describe()} on the event loop thread: await it")
 
-            async def waiter() -> Any:
+            async def waiter() -> object:
                 return await asyncio.shield(fut)
 
             try:

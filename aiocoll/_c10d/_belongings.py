@@ -75,7 +75,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -98,8 +98,8 @@ class Belongings:
 
     def __init__(self) -> None:
         # appended to by rank threads at once: list.append is atomic, no lock needed
-        self._refs: list[tuple[Kind, weakref.ref[Any]]] = []
-        self._meshes: list[weakref.ref[Any]] = []
+        self._refs: list[tuple[Kind, weakref.ref[object]]] = []
+        self._meshes: list[weakref.ref[object]] = []
 
     def add(self, kind: Kind, obj: object) -> None:
         """Record ``obj``, made by one of the world's ranks."""
@@ -126,7 +126,7 @@ class Belongings:
     def _count_alive(self) -> int:
         return sum(1 for _, ref in self._refs if ref() is not None)
 
-    def alive(self) -> list[tuple[Kind, Any]]:
+    def alive(self) -> list[tuple[Kind, object]]:
         """The recorded objects still alive."""
         return [(kind, obj) for kind, ref in self._refs if (obj := ref()) is not None]
 
@@ -178,7 +178,7 @@ _collect_last = False  # whether the last scope to end collects before giving th
 _froze = False  # whether the first of them set the older objects aside (gc.freeze)
 _epoch = 0  # counts the times they were set aside (a late thaw must not give back a later world's)
 _thaw_pending = False  # whether a world's loop will give them back after FREEZE_SECONDS
-_ended: list[weakref.ref[Any]] = []  # the engines of worlds that ended since that collection
+_ended: list[weakref.ref[object]] = []  # the engines of worlds that ended since that collection
 _memory_then: float | None = None  # the memory after it, MB
 TRIM_MB = 4.0  # the resident set grown since the allocator's free pages were last given back, MB
 _trimmed_at: float | None = None  # the resident set then, MB

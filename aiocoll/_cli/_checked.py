@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ from .._lifecycle._procworld import MAPPED_BACKENDS
 from .._work import Site, TorchFutures, cancelled_error, fmt_site
 
 if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
     from .._torch import DistributedBackendOptions, Store
 
 __all__ = [
@@ -167,7 +169,7 @@ class _ThreadedWork(PGWork):
 
         inner.add_done_callback(done)
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> object:
         ended = self._ended
         if not ended.wait(WATCH_AFTER if timeout is None else min(timeout, WATCH_AFTER)):
             self._wait_long(ended, timeout)
@@ -221,12 +223,12 @@ class _ThreadedWork(PGWork):
     def _where(self) -> str:
         return f"on group {self._group_name!r}" if self._seq is None else f"#{self._seq} on group {self._group_name!r}"
 
-    def torch_future(self, value: Any) -> torch.futures.Future[Any]:
+    def torch_future(self, value: object) -> torch.futures.Future[object]:
         futs = TorchFutures()
         tf = futs.add(value)
         fut = self._fut
 
-        def done(f: asyncio.Future[Any]) -> None:
+        def done(f: asyncio.Future[object]) -> None:
             futs.settle(cancelled_error(self.describe()) if f.cancelled() else f.exception())
 
         # (asyncio's callbacks are added on its loop's thread only)
@@ -258,7 +260,7 @@ class _ThreadedComm(ProcessGroupComm):
         chk = self._iss.checker
         return None if chk is None else chk.presence
 
-    def fail(self, fut: asyncio.Future[Any], err: BaseException) -> None:
+    def fail(self, fut: asyncio.Future[object], err: BaseException) -> None:
         """Fail the op of ``fut``, and every later op of the group, with ``err`` (a deadlock seen across processes)."""
         self._checks.call(lambda: self._iss.fail(fut, err))
 
@@ -333,7 +335,7 @@ def _monitored_barrier(real: Callable[..., None]) -> Callable[..., None]:
     that did not come; torch 2.15 asks the group itself for a CPU backend, which a Python group lacks)."""
 
     @functools.wraps(real)
-    def monitored_barrier(group: Any = None, *args: Any, **kwargs: Any) -> None:
+    def monitored_barrier(group: object = None, *args: object, **kwargs: object) -> None:
         pg = group if group is not None else (_torch.default_group() if dist.is_initialized() else None)
         if isinstance(pg, CheckedProcessGroup):
             group = pg.real
@@ -342,11 +344,13 @@ def _monitored_barrier(real: Callable[..., None]) -> Callable[..., None]:
     return monitored_barrier
 
 
-def _ddp_logging_data(real: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+def _ddp_logging_data(
+    real: Callable[[DistributedDataParallel], dict[str, object]],
+) -> Callable[[DistributedDataParallel], dict[str, object]]:
     """DDP's ``_get_ddp_logging_data``: on a checked group, what it says of the backend is its real group's."""
 
     @functools.wraps(real)
-    def get_ddp_logging_data(ddp: Any) -> dict[str, Any]:
+    def get_ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, object]:
         data = real(ddp)
         pg = getattr(ddp, "process_group", None)
         checked = pg if isinstance(pg, CheckedProcessGroup) else None

@@ -153,7 +153,7 @@ class Starter:
     def start_processes(
         self,
         fn: Callable[..., object],
-        args: tuple[Any, ...] = (),
+        args: tuple[object, ...] = (),
         nprocs: int = 1,
         join: bool = True,
         daemon: bool = False,

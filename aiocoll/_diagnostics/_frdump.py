@@ -33,7 +33,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -41,6 +41,10 @@ from .. import _torch
 from .._engine._record import DEFAULT_RECORD, ProcessRecorder, Stamp, format_signature
 from .._errors import AiocollError
 from .._ops import OpRecord, P2PRecord, Shape, record_of
+
+if TYPE_CHECKING:
+    from .._comm import Comm
+    from .._engine._world import World
 
 __all__ = ["ENV", "GroupInfo", "dump_flight_recorder", "dump_process", "dump_world", "on_failure", "process_recorder"]
 
@@ -173,7 +177,7 @@ def rank_dump(
     floors: Mapping[str, int] | None = None,
     timeout_ms: int = 0,
     clock: _Clock | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One rank's dump: torch's keys (``version``, ``pg_config``, ``pg_status``, ``entries``).
 
     ``group_of`` names a stamp's group; ``floors``: per group, the first sequence number
@@ -182,7 +186,7 @@ def rank_dump(
     clock = clock or _Clock()
     groups = _Groups()
     p2p_counts: dict[str, int] = {}
-    entries: list[dict[str, Any]] = []
+    entries: list[dict[str, object]] = []
     for stamp in stamps:
         info = group_of(stamp)
         me = info.ranks.index(rank)
@@ -259,7 +263,7 @@ def resolve_prefix(prefix: str | os.PathLike[str] | None) -> str:
     return p
 
 
-def write(prefix: str, dumps: Mapping[int, dict[str, Any]]) -> list[str]:
+def write(prefix: str, dumps: Mapping[int, dict[str, object]]) -> list[str]:
     """Write each rank's dump to ``<prefix><rank>``; return the paths."""
     parent = os.path.dirname(prefix)
     if parent:
@@ -278,12 +282,11 @@ def write(prefix: str, dumps: Mapping[int, dict[str, Any]]) -> list[str]:
 # -- in-process and hybrid worlds -------------------------------------------------------------------
 
 
-def dump_world(world: Any, prefix: str | os.PathLike[str] | None = None) -> list[str]:
+def dump_world(world: World, prefix: str | os.PathLike[str] | None = None) -> list[str]:
     """Write the dumps of the world's ranks that run in this process (all but a hybrid world's others)."""
-    from .._engine._world import World
     from .._stats import Phase
 
-    w: World = world
+    w = world
     rec = w.recorder
     if rec is None:
         raise AiocollError("dump_flight_recorder(): the flight recorder is off in this world (spawn(..., record=0))")
@@ -405,7 +408,7 @@ def on_failure(dump: Callable[[str], list[str]]) -> str | None:
     )
 
 
-def dump_flight_recorder(prefix: str | os.PathLike[str] | None = None, *, comm: Any = None) -> list[str]:
+def dump_flight_recorder(prefix: str | os.PathLike[str] | None = None, *, comm: Comm | None = None) -> list[str]:
     """Write the flight recorder as torch's Flight Recorder dumps, one file per rank; return their paths.
 
     Files are named ``<prefix><rank>``, as torch names its own. ``prefix`` defaults to

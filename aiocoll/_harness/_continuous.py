@@ -19,7 +19,7 @@ import traceback
 import unittest
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import _patches, _torch, _watchdog
 from .._engine._rank import RankState, current_rank_state
@@ -28,6 +28,12 @@ from .._lifecycle._procworld import GRACE, InProcessWorld, pause
 from .._process import _procstate
 from .._watchdog import under_deadline
 from ._harness import FakeProcess, Settings, exit_code, rank_class
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from torch.testing._internal.common_distributed import MultiProcContinuousTest
 
 __all__ = ["ContinuousRanks"]
 
@@ -46,16 +52,16 @@ class _Tasks:
     POLL = 0.002  # seconds between two looks, the other ranks running meanwhile
 
     def __init__(self) -> None:
-        self._items: deque[Any] = deque()  # (appended by the main thread, taken by the rank's)
+        self._items: deque[str | None] = deque()  # (appended by the main thread, taken by the rank's)
         self._idle: RankState | None = None  # the rank's state while it waits for a test
 
-    def put(self, item: Any) -> None:
+    def put(self, item: str | None) -> None:
         self._items.append(item)
         st = self._idle
         if st is not None:
             st.resume()  # live again from now, before its thread even wakes up
 
-    def get(self, *args: Any, **kwargs: Any) -> Any:
+    def get(self, *args: object, **kwargs: object) -> str | None:
         if not self._items:
             st = current_rank_state()
             if st is not None:
@@ -86,7 +92,7 @@ class _Results:
         self._owner = owner
         self._rank = rank
 
-    def put(self, result: Any) -> None:
+    def put(self, result: object) -> None:
         self._owner.post(self._rank, result)
         if isinstance(result, BaseException) and not isinstance(result, unittest.SkipTest):
             # the worker loop would go on to its next test; the world must learn now
@@ -100,7 +106,7 @@ class _Completion:
         self._owner = owner
         self._rank = rank
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+    def get(self, block: bool = True, timeout: float | None = None) -> object:
         return self._owner.result(self._rank)
 
     def empty(self) -> bool:
@@ -117,7 +123,7 @@ class _Dispatch:
         self._owner = owner
         self._rank = rank
 
-    def put(self, test_id: Any) -> None:
+    def put(self, test_id: object) -> None:
         if test_id is None:  # the class is done (its tearDownClass)
             self._owner.stop(self._rank)
         else:
@@ -161,13 +167,13 @@ class _RealWorkers:
         # talking to the in-process ones there, so they are put back
         with _patches.lease(CLASS_LISTS_KEPT, cls):
             spawn(cls, size)
-            self.processes: list[Any] = list(cls.processes)  # type: ignore[attr-defined]
-            self.tasks: list[Any] = list(cls.task_queues)  # type: ignore[attr-defined]
-            self.completions: list[Any] = list(cls.completion_queues)  # type: ignore[attr-defined]
+            self.processes: list[BaseProcess] = list(cls.processes)  # type: ignore[attr-defined]
+            self.tasks: list[Queue[str | None]] = list(cls.task_queues)  # type: ignore[attr-defined]
+            self.completions: list[Queue[object]] = list(cls.completion_queues)  # type: ignore[attr-defined]
             self.rdvz_file: str = cls.rdvz_file  # type: ignore[attr-defined]
         self._joined: set[int] = set()
 
-    def run(self, test_id: str, timeout: float) -> list[Any]:
+    def run(self, test_id: str, timeout: float) -> list[object]:
         """Each worker's result of ``test_id``: the id when it passed, else what it put (or why it put nothing)."""
         for q in self.tasks:
             q.put(test_id)
@@ -175,7 +181,7 @@ class _RealWorkers:
         return [self._result(p, q, start, timeout) for p, q in zip(self.processes, self.completions, strict=True)]
 
     @staticmethod
-    def _result(process: Any, completions: Any, start: float, timeout: float) -> Any:
+    def _result(process: BaseProcess, completions: Queue[object], start: float, timeout: float) -> object:
         # as torch's newer harness reads a worker (torch 2.10 waits forever): its result, or
         # why there is none, a dead worker or the test's timeout
         while True:
@@ -222,7 +228,7 @@ class ContinuousRanks:
 
     def __init__(
         self,
-        cls: type,
+        cls: type[MultiProcContinuousTest],
         size: int,
         settings: Settings,
         fallbacks: list[tuple[str, str]],
@@ -240,22 +246,22 @@ class ContinuousRanks:
         self.completion_queues = [_Completion(self, r) for r in range(size)]
         self.next_test: str | None = None
         self._test: str | None = None
-        self._results: list[Any] = []
+        self._results: list[object] = []
         self._world: InProcessWorld | None = None  # the class's ranks, while they live
         self._tasks: list[_Tasks] = []
         self._posted = threading.Event()  # every rank has posted its result of the current test
         self._lock = threading.Lock()
-        self._current: list[Any] = []
+        self._current: list[object] = []
         self._workers: _RealWorkers | None = None  # torch's own, once a test needed them
 
-    def result(self, rank: int) -> Any:
+    def result(self, rank: int) -> object:
         """Rank ``rank``'s result of the current test (running it on the first request)."""
         if self.next_test is not None and self.next_test != self._test:
             self._test = self.next_test
             self._results = self._run(self.next_test)
         return self._results[rank]
 
-    def post(self, rank: int, result: Any) -> None:
+    def post(self, rank: int, result: object) -> None:
         """Rank ``rank``'s result of the current test (from its thread)."""
         with self._lock:
             if self._current[rank] is None:
@@ -279,7 +285,7 @@ class ContinuousRanks:
         if self._workers is not None:
             self._workers.join(rank, timeout)
 
-    def _in_processes(self, test_id: str, reason: str, test_timeout: float) -> list[Any]:
+    def _in_processes(self, test_id: str, reason: str, test_timeout: float) -> list[object]:
         self.fallbacks.append((test_id, reason))
         if self.settings.fallback == "skip":
             return [unittest.SkipTest(f"aiocoll: {reason}: the test needs processes of its own")] * self.size
@@ -295,7 +301,8 @@ class ContinuousRanks:
 
         def rank_main(rank: int) -> None:
             try:
-                rank_class(cls)._worker_loop(rank, size, rdvz_file, tasks[rank], _Results(self, rank))
+                # (torch leaves _worker_loop unannotated)
+                rank_class(cls)._worker_loop(rank, size, rdvz_file, tasks[rank], _Results(self, rank))  # type: ignore[no-untyped-call]
             except SystemExit as e:  # out of _init_pg (torch 2.10 lets it through)
                 code = exit_code(e)
                 if code in skips:
@@ -318,13 +325,13 @@ class ContinuousRanks:
         world.start(rank_main)
         return world
 
-    def _run(self, test_id: str) -> list[Any]:
+    def _run(self, test_id: str) -> list[object]:
         test_timeout = _torch.process_harness.test_timeout(test_id)
         # a rank stuck holding the GIL would stop this thread too: the watchdog ends the process then
         limit = self.settings.deadline(test_timeout, self.size) + 2 * GRACE + _watchdog.MARGIN
         return under_deadline(limit, test_id, lambda: self._run_test(test_id, test_timeout))
 
-    def _run_test(self, test_id: str, test_timeout: float) -> list[Any]:
+    def _run_test(self, test_id: str, test_timeout: float) -> list[object]:
         with self._lock:
             self._current = [None] * self.size
             self._posted.clear()
@@ -381,7 +388,7 @@ class ContinuousRanks:
         return f"<ContinuousRanks {self.cls.__name__} size={self.size} test={self._test}>"
 
 
-def _is_failure(result: Any) -> bool:
+def _is_failure(result: object) -> bool:
     return isinstance(result, BaseException) and not isinstance(result, unittest.SkipTest)
 
 

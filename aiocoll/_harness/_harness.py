@@ -25,7 +25,7 @@ import types
 import unittest
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 from .. import _torch
 from .._engine._grouptimeouts import slowdown
@@ -33,6 +33,11 @@ from .._errors import RankExitedError
 from .._lifecycle._outcome import echoes_abort
 from .._lifecycle._procworld import InProcessWorld, WorldEnd
 from .._process import _procstate
+
+if TYPE_CHECKING:
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+C = TypeVar("C", bound=type)
 
 __all__ = [
     "FakeProcess",
@@ -75,16 +80,22 @@ class Settings:
         return test_timeout * slowdown(size)
 
 
-def rank_class(cls: type) -> Any:
+def rank_class(cls: C) -> C:
     """A subclass of ``cls`` for one rank, which passes for ``cls`` (same name, module, test ids).
 
     In processes, a rank that sets a class attribute (``MultiProcContinuousTest`` sets
     ``cls.rank`` and ``cls.pg``) sets its own copy; here each rank sets its subclass's.
     """
-    return types.new_class(
-        cls.__name__,
-        (cls,),
-        exec_body=lambda ns: ns.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__),
+    # (new_class says it makes a type: a subclass of cls, so a C)
+    return cast(
+        "C",
+        types.new_class(
+            cls.__name__,
+            (cls,),
+            exec_body=lambda ns: ns.update(
+                __module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__
+            ),
+        ),
     )
 
 
@@ -118,11 +129,11 @@ class FakeProcess:
 class Mailbox:
     """The parent's end of a rank's pipe, as torch's harness reads it: what the rank sent."""
 
-    def __init__(self, messages: Sequence[Any]) -> None:
+    def __init__(self, messages: Sequence[object]) -> None:
         self._messages = list(messages)
         self.closed = False
 
-    def recv(self) -> Any:
+    def recv(self) -> object:
         if not self._messages:  # (a process's closed pipe would raise EOFError)
             return "(the rank sent nothing: its code exited with this code itself)\n"
         return self._messages.pop(0)
@@ -130,7 +141,7 @@ class Mailbox:
     def poll(self, timeout: float | None = 0.0) -> bool:
         return bool(self._messages)
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: object) -> None:
         """Requests to the rank (torch asks a hung process for its traceback): answered by aiocoll's report."""
 
     def close(self) -> None:
@@ -145,7 +156,7 @@ class RankEnd:
     """How one rank ended: its exit code as a process's, what it sent, the failure behind a non-zero code."""
 
     exitcode: int | None = None
-    sent: list[Any] = field(default_factory=list)
+    sent: list[object] = field(default_factory=list)
     error: BaseException | None = None
 
 
@@ -161,7 +172,7 @@ def exit_code(e: SystemExit) -> int:
     return 1
 
 
-def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[RankEnd]]:
+def run_process_ranks(case: MultiProcessTestCase, settings: Settings) -> tuple[WorldEnd, list[RankEnd]]:
     """Run the ranks of ``case`` (a MultiProcessTestCase in the main process) in-process."""
     error_code = int(case.TEST_ERROR_EXIT_CODE)
     test_name = case._current_test_name()
@@ -205,7 +216,7 @@ def run_process_ranks(case: Any, settings: Settings) -> tuple[WorldEnd, list[Ran
     return world.run(rank_main), ends
 
 
-def report_process_ranks(case: Any, fn: Any, end: WorldEnd, ends: list[RankEnd]) -> None:
+def report_process_ranks(case: MultiProcessTestCase, fn: object, end: WorldEnd, ends: list[RankEnd]) -> None:
     """Hand the ranks' ends to torch's ``_check_return_codes``, adding aiocoll's report to a failure."""
     error_code = int(case.TEST_ERROR_EXIT_CODE)
     notes = list(getattr(end.error, "__notes__", []))

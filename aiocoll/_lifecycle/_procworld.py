@@ -31,7 +31,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -52,6 +52,9 @@ from ._config import WorldConfig, WorldOptions
 from ._driver import WorldRun
 from ._outcome import echoes_abort
 from ._worldthread import WorldThread
+
+if TYPE_CHECKING:
+    from .._torch import Store
 
 __all__ = [
     "GRACE",
@@ -187,10 +190,10 @@ class InProcessWorld:
         self.collective_timeout = collective_timeout
         self.deadline = deadline
         self.name = name  # the test's id, in the watchdog's report
-        self.store: Any = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
+        self.store: Store = dist.HashStore()  # type: ignore[attr-defined]  # rendezvous of init_method=...
         self._needs: _procstate.NeedsProcess | None = None
         self._engine: World | None = None  # the aiocoll World, once a rank runs
-        self._wt: WorldThread[Any] | None = None
+        self._wt: WorldThread[None] | None = None
         self._environ: dict[str, str] = {}
         self._started = 0.0
         self._entered = False  # the process-wide patches are in force for this world
@@ -347,7 +350,7 @@ class InProcessWorld:
         except Exception:  # (a snapshot taken from outside the world, while it runs: best effort)
             return {}
 
-    def _busy(self, wt: WorldThread[Any]) -> dict[int, str]:
+    def _busy(self, wt: WorldThread[None]) -> dict[int, str]:
         """Where each rank that is not waiting in a collective (nor ended) is, as a formatted stack."""
         stacks = {r: traceback.extract_stack(f) for r, f in wt.rank_frames().items()}
         states = {r: st.state for r, st in self._rank_statistics().items()}
@@ -445,13 +448,13 @@ def _outside_aiocoll(stack: list[traceback.FrameSummary]) -> list[traceback.Fram
 # -- torch.distributed inside a rank of the world ----------------------------------------------
 
 
-def _maps(backend: Any) -> bool:
+def _maps(backend: object) -> bool:
     """Whether ``backend`` ("gloo", "cpu:gloo,cuda:nccl", ...) is one a rank of the world runs on aiocoll."""
     names = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
     return bool(names) and all(n in MAPPED_BACKENDS for n in names)
 
 
-def group_backend(backend: Any, group_rank: int, ranks: list[int]) -> str | None:
+def group_backend(backend: object, group_rank: int, ranks: list[int]) -> str | None:
     """For ``STEERED_INIT``: aiocoll for the real backends, in the world's ranks."""
     world, here = _HERE.get() or (None, -1)
     if world is not None and str(backend).lower() == BACKEND:
@@ -467,7 +470,7 @@ def group_backend(backend: Any, group_rank: int, ranks: list[int]) -> str | None
     return BACKEND
 
 
-def rendezvous(url: str, rank: int, world_size: int) -> tuple[Any, int, int] | None:
+def rendezvous(url: str, rank: int, world_size: int) -> tuple[Store, int, int] | None:
     """For ``STEERED_INIT``: the world's own store, in its ranks."""
     world, here = _HERE.get() or (None, -1)
     if world is None:

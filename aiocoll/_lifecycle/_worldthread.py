@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from ._config import LoopChoice, loop_factory
 from ._driver import RankThread
@@ -28,7 +28,7 @@ T = TypeVar("T")
 _SLICE = 0.2  # seconds: how soon a ^C is seen while the caller waits for the world
 
 
-async def _ran() -> Any:
+async def _ran() -> NoReturn:
     raise RuntimeError("this WorldThread has run already")
 
 

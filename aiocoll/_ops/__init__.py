@@ -640,7 +640,7 @@ class BroadcastObject(_Base):
         return f"broadcast_object(src={self.src})"
 
     @staticmethod
-    def run(calls: Sequence[BroadcastObject]) -> list[Any]:
+    def run(calls: Sequence[BroadcastObject]) -> list[object]:
         payload = calls[calls[0].src].payload
         assert payload is not None
         return [pickle.loads(payload) for _ in calls]
@@ -658,7 +658,7 @@ class AllGatherObject(_Base):
         return "all_gather_object(obj)"
 
     @staticmethod
-    def run(calls: Sequence[AllGatherObject]) -> list[Any]:
+    def run(calls: Sequence[AllGatherObject]) -> list[object]:
         return [[pickle.loads(c.payload) for c in calls] for _ in calls]
 
 
@@ -675,7 +675,7 @@ class GatherObject(_Base):
         return f"gather_object(obj, dst={self.dst})"
 
     @staticmethod
-    def run(calls: Sequence[GatherObject]) -> list[Any]:
+    def run(calls: Sequence[GatherObject]) -> list[object]:
         dst = calls[0].dst
         return [[pickle.loads(c.payload) for c in calls] if r == dst else None for r in range(len(calls))]
 
@@ -694,7 +694,7 @@ class ScatterObject(_Base):
         return f"scatter_object({n}, src={self.src})"
 
     @staticmethod
-    def run(calls: Sequence[ScatterObject]) -> list[Any]:
+    def run(calls: Sequence[ScatterObject]) -> list[object]:
         payloads = calls[calls[0].src].payloads
         assert payloads is not None
         return [pickle.loads(p) for p in payloads]
@@ -738,7 +738,7 @@ class NewGroup(_Base):
 class Split(_Base):
     name: ClassVar[str] = "split"
     color: Hashable
-    key: Any
+    key: object
 
     def signature(self) -> Hashable:
         return self.name

@@ -22,7 +22,7 @@ import enum
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -36,6 +36,9 @@ __all__ = ["INLINE_BYTES", "Placement", "placement", "run_in_worker", "tensors_o
 # wake-ups) costs more than the copy itself; above it the loop would stall visibly.
 INLINE_BYTES = 1 << 20
 
+C = TypeVar("C")  # an op's call
+R = TypeVar("R")  # what it gives a rank
+
 
 class Placement(enum.Enum):
     INLINE = "inline"
@@ -43,7 +46,7 @@ class Placement(enum.Enum):
     CUDA = "cuda"
 
 
-def placement(calls: Sequence[Any], inline_bytes: int = INLINE_BYTES) -> Placement:
+def placement(calls: Sequence[Call], inline_bytes: int = INLINE_BYTES) -> Placement:
     """Where to run an op over ``calls`` (one per rank)."""
     # no CUDA tensor can exist before CUDA is initialised: skip the scan on CPU-only runs.
     # Checked before the size: an op with CUDA tensors must be ordered with the ranks'
@@ -87,7 +90,7 @@ def _get_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def run_in_worker(
-    loop: asyncio.AbstractEventLoop, run: Callable[[Sequence[Any]], list[Any]], calls: Sequence[Any]
-) -> asyncio.Future[list[Any]]:
+    loop: asyncio.AbstractEventLoop, run: Callable[[Sequence[C]], list[R]], calls: Sequence[C]
+) -> asyncio.Future[list[R]]:
     """Run ``run(calls)`` on aiocoll's worker thread; the future completes on ``loop``."""
     return loop.run_in_executor(_get_executor(), run, calls)

@@ -13,7 +13,7 @@ under no_grad::
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ _REDUCIBLE = frozenset(
 class Reduction:
     """A normalised reduce op: its kind and, for PREMUL_SUM, this rank's factor."""
 
-    kind: Any  # a torch.distributed.ReduceOp.RedOpType member
+    kind: dist.ReduceOp.RedOpType
     factor: float | torch.Tensor | None = None
 
     @classmethod
@@ -127,7 +127,9 @@ class Reduction:
         elif kind in (_R.MIN, _R.MAX) and dtype.is_complex:
             raise InvalidArgumentError(f"argument {arg!r}: {self.name} is not defined for complex tensors ({dtype})")
 
-    def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
+    def __reduce__(
+        self,
+    ) -> tuple[Callable[[int, float | torch.Tensor | None], Reduction], tuple[int, float | torch.Tensor | None]]:
         # unpickled (a hybrid world's exchange), a Reduction holds the canonical kind too
         return (_reduction, (self.kind.value, self.factor))
 
@@ -197,7 +199,9 @@ _KEEPS_DTYPE = frozenset(
 )
 
 
-def reduce_tensors(tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[Any] = ()) -> torch.Tensor:
+def reduce_tensors(
+    tensors: Sequence[torch.Tensor], red: Reduction, factors: Sequence[float | torch.Tensor] = ()
+) -> torch.Tensor:
     """Reduce same-shaped tensors (one per rank, in rank order) into a new tensor.
 
     The result has the inputs' dtype; integers wrap like they do in gloo and NCCL.

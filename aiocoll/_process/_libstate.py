@@ -38,7 +38,7 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import cast
 
 from .. import _current
 
@@ -68,7 +68,7 @@ RANK_ATTRIBUTES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # the calling rank's own values, by stand-in (carried: a process's threads share its state)
-_OWN: _current.Facet[dict[object, Any] | None] = _current.Facet("libraries' state", None, carried=True)
+_OWN: _current.Facet[dict[object, object] | None] = _current.Facet("libraries' state", None, carried=True)
 
 
 def watched(module: str) -> bool:
@@ -109,9 +109,9 @@ class RankShared:
     def __init__(self, owner: type, name: str) -> None:
         self.owner = owner
         self.name = name
-        self.process: Any = vars(owner)[name]  # the process's value, given back by ``uninstall``
+        self.process: object = vars(owner)[name]  # the process's value, given back by ``uninstall``
 
-    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+    def __get__(self, obj: object, objtype: type | None = None) -> object:
         own = _OWN.get()
         if own is None:
             return self.process
@@ -119,7 +119,7 @@ class RankShared:
             own[self] = type(self.process)()  # (empty, as in a process that has made no instance yet)
         return own[self]
 
-    def __set__(self, obj: object, value: Any) -> None:
+    def __set__(self, obj: object, value: object) -> None:
         own = _OWN.get()
         if own is None:
             self.process = value
@@ -133,7 +133,7 @@ class RankShared:
         if vars(self.owner).get(self.name) is self:  # (else the library replaced it meanwhile: its own)
             setattr(self.owner, self.name, self.process)
 
-    def make_the_process_s(self, own: dict[object, Any]) -> None:
+    def make_the_process_s(self, own: dict[object, object]) -> None:
         self.process = own[self] if self in own else type(self.process)()
 
     def __repr__(self) -> str:
@@ -156,6 +156,11 @@ class RankAttrs:
     """
 
     __slots__ = ("__wrapped__", "_attrs", "_module", "_name", "_set")
+    __wrapped__: Callable[..., object]
+    _attrs: tuple[str, ...]
+    _module: ModuleType
+    _name: str
+    _set: set[str]
 
     def __init__(self, module: ModuleType, name: str, attrs: tuple[str, ...]) -> None:
         object.__setattr__(self, "__wrapped__", getattr(module, name))
@@ -164,28 +169,28 @@ class RankAttrs:
         object.__setattr__(self, "_attrs", attrs)
         object.__setattr__(self, "_set", set())  # of attrs: set by some rank
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return self.__wrapped__(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:  # (what is not found on the stand-in itself)
+    def __getattr__(self, name: str) -> object:  # (what is not found on the stand-in itself)
         if name in RankAttrs.__slots__:  # (a stand-in being made, not yet filled: never the function's)
             raise AttributeError(name)
         own = _OWN.get()
         if own is None or name not in self._attrs:
             return getattr(self.__wrapped__, name)
-        mine: dict[str, Any] = own.get(self, {})
+        mine = _attrs_of(own, self)
         if name in mine:
             return mine[name]
         if name in self._set or hasattr(self.__wrapped__, name):
             return _rank_from_environ()
         raise AttributeError(f"{self._name!r} has no attribute {name!r} (in this rank)")
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         own = _OWN.get()
         if own is None or name not in self._attrs:
             setattr(self.__wrapped__, name, value)
             return
-        own.setdefault(self, {})[name] = value
+        _attrs_of(own, self, make=True)[name] = value
         self._set.add(name)
 
     def __delattr__(self, name: str) -> None:
@@ -193,7 +198,7 @@ class RankAttrs:
         if own is None or name not in self._attrs:
             delattr(self.__wrapped__, name)
             return
-        mine: dict[str, Any] = own.get(self, {})
+        mine = _attrs_of(own, self)
         if name not in mine:
             raise AttributeError(name)
         del mine[name]
@@ -201,10 +206,10 @@ class RankAttrs:
     def __copy__(self) -> RankAttrs:  # (one, as a function is: copying a function gives itself)
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> RankAttrs:
+    def __deepcopy__(self, memo: dict[int, object]) -> RankAttrs:
         return self
 
-    def __reduce__(self) -> tuple[Callable[[str, str], Any], tuple[str, str]]:
+    def __reduce__(self) -> tuple[Callable[[str, str], object], tuple[str, str]]:
         return _module_attribute, (self._module.__name__, self._name)  # (by name, as a function pickles)
 
     def install(self) -> None:
@@ -214,8 +219,8 @@ class RankAttrs:
         if getattr(self._module, self._name, None) is self:
             setattr(self._module, self._name, self.__wrapped__)
 
-    def make_the_process_s(self, own: dict[object, Any]) -> None:
-        for name, value in own.get(self, {}).items():
+    def make_the_process_s(self, own: dict[object, object]) -> None:
+        for name, value in _attrs_of(own, self).items():
             setattr(self.__wrapped__, name, value)
 
     def __repr__(self) -> str:
@@ -223,7 +228,13 @@ class RankAttrs:
         return f"<RankAttrs {self._module.__name__}.{self._name} {list(self._attrs)}: {whose} here>"
 
 
-def _module_attribute(module: str, name: str) -> Any:
+def _attrs_of(own: dict[object, object], stand_in: RankAttrs, make: bool = False) -> dict[str, object]:
+    """A rank's own values of ``stand_in``'s attrs, by name (put in ``own`` if ``make``, else a new empty one)."""
+    # (``own`` holds each RankShared's value as is, and each RankAttrs' values in such a dict)
+    return cast("dict[str, object]", own.setdefault(stand_in, {}) if make else own.get(stand_in, {}))
+
+
+def _module_attribute(module: str, name: str) -> object:
     return getattr(sys.modules[module], name)
 
 
@@ -260,7 +271,7 @@ def after_import(module: str) -> None:
                 done.append(attr)
     if module in RANK_ATTRIBUTES:
         name, attrs = RANK_ATTRIBUTES[module]
-        fn: Callable[..., Any] | None = getattr(mod, name, None)
+        fn: object = getattr(mod, name, None)
         if callable(fn) and not isinstance(fn, RankAttrs):
             stand_in = _stand_ins.get((module, name))
             if stand_in is None or stand_in.__wrapped__ is not fn:  # (a reload made another)

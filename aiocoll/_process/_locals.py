@@ -46,7 +46,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -222,8 +221,8 @@ def _dispatchers(module: ModuleType, instance: object, extra: dict[str, str], ke
     ]
 
 
-def _dispatcher(fallback: Callable[..., Any], name: str, method: str, key: str) -> Callable[..., Any]:
-    def dispatch(*args: Any, **kwargs: Any) -> Any:
+def _dispatcher(fallback: Callable[..., object], name: str, method: str, key: str) -> Callable[..., object]:
+    def dispatch(*args: object, **kwargs: object) -> object:
         bound = _GENERATORS.get()
         if bound is None:  # not a rank thread of a world with per-rank generators
             return fallback(*args, **kwargs)
@@ -311,13 +310,13 @@ class RankLocals:
         self._torch = _TorchStates(size, self._caller, self._caller_cuda, self.seeds)
         self._loaded: int | None = None  # whose torch states the generators (and hooks) hold now
         self._caller_hooks = _torch.module_hooks.read()
-        self._hooks: list[dict[str, Any] | None] = [None] * size  # each rank's, from its first turn
+        self._hooks: list[dict[str, object] | None] = [None] * size  # each rank's, from its first turn
         self._caller_dtype = torch.get_default_dtype()
         self._dtypes = [self._caller_dtype] * size
         # each rank's instances start from these states, made on its first draw
-        self._initial: dict[str, Any] = {"python": random.getstate()}
+        self._initial: dict[str, tuple[object, ...]] = {"python": random.getstate()}
         self.python: list[random.Random | None] = [None] * size
-        self.numpy: list[Any] = []
+        self.numpy: list[object] = []  # (numpy's RandomState or None; numpy is no dependency)
         self._numpy_installed = False
         self._closed = False
         _patches.acquire(RANDOM)
@@ -339,19 +338,21 @@ class RankLocals:
         _patches.acquire(NUMPY_RANDOM)
         self._numpy_installed = True
 
-    def make(self, key: str, rank: int) -> Any:
+    def make(self, key: str, rank: int) -> object:
         """Rank ``rank``'s own ``random.Random`` (key "python") or NumPy ``RandomState`` ("numpy")."""
         seed = None if self.seeds is None else self.seeds[rank]
         if key == "python":
-            inst: Any = random.Random(seed)
+            py = random.Random(seed)
             if seed is None:
-                inst.setstate(self._initial[key])
+                py.setstate(self._initial[key])
+            inst: object = py
         else:
             nr = _numpy_random()
             assert nr is not None
-            inst = nr.RandomState(None if seed is None else numpy_seed(seed))
+            np_inst = nr.RandomState(None if seed is None else numpy_seed(seed))
             if seed is None:
-                inst.set_state(self._initial[key])
+                np_inst.set_state(self._initial[key])
+            inst = np_inst
         getattr(self, key)[rank] = inst
         return inst
 

@@ -158,7 +158,7 @@ class RankEnviron:
 
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 # what a class or module gets while harness worlds run: (owner, attribute name, replacement)
 Patch = tuple[object, str, object]
@@ -493,7 +493,7 @@ class _ThenPerRank(importlib.abc.Loader):
         self.loader.exec_module(module)
         _libstate.after_import(self.module)
 
-    def __getattr__(self, name: str) -> Any:  # (get_source, get_resource_reader, ...: the real loader's)
+    def __getattr__(self, name: str) -> object:  # (get_source, get_resource_reader, ...: the real loader's)
         return getattr(self.loader, name)
 
     def __repr__(self) -> str:
@@ -646,7 +646,7 @@ class RankThreads:
                 self.run = lambda: carry(run)  # type: ignore[method-assign]
             real_start(self)
 
-        def submit(self: ThreadPoolExecutor, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        def submit(self: ThreadPoolExecutor, fn: Callable[..., T], /, *args: object, **kwargs: object) -> Future[T]:
             carry = RankThreads.carry(sys._getframe(1))
             if carry is None:
                 return real_submit(self, fn, *args, **kwargs)
