@@ -78,7 +78,8 @@ class OpRunner:
             self.serial(rdv.works, functools.partial(self.run, rdv, op))
             return
         engine = self._engine
-        where = _device.placement(rdv.calls, self.inline_bytes)
+        # (a rendezvous runs here once every member arrived: it has no None left)
+        where = _device.placement(cast("list[Call]", rdv.calls), self.inline_bytes)
         if where is _device.Placement.INLINE or (
             # a rank thread taking turns runs CPU ops itself: no rank runs meanwhile, and
             # the loop it would spare is not in its way
