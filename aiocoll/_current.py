@@ -34,19 +34,27 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from ._engine._rank import RankState
-
-__all__ = ["RANK", "Facet", "PerRank", "StandIn", "carried", "forget_all"]
+__all__ = ["RANK", "Facet", "PerRank", "Rank", "StandIn", "carried", "forget_all"]
 
 T = TypeVar("T")
 V = TypeVar("V")
 R = TypeVar("R")
 P = ParamSpec("P")
 
-RANK: contextvars.ContextVar[RankState | None] = contextvars.ContextVar("aiocoll_rank", default=None)
+
+class Rank(Protocol):
+    """What the code below the engine reads of the rank that runs: the engine's ``RankState``
+    fills it in (this module sits below the engine, and names none of its classes)."""
+
+    @property
+    def c10d(self) -> object:
+        """The rank's torch.distributed state, which ``_torch``'s proxy reads; None before it has one."""
+        ...
+
+
+RANK: contextvars.ContextVar[Rank | None] = contextvars.ContextVar("aiocoll_rank", default=None)
 """The rank the calling code acts for (None: none): see the module."""
 
 

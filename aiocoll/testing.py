@@ -99,9 +99,7 @@ from ._lifecycle._worldthread import WorldThread
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torch.testing._internal.common_distributed import MultiProcessTestCase
-
-    from ._torch import DistributedBackendOptions
+    from ._torch import DistributedBackendOptions, MultiProcessTestCase
 
 __all__ = ["ProcessHarnessReplacement", "ThreadedPGReplacement", "replace_process_harness", "replace_threaded_pg"]
 

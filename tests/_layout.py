@@ -46,12 +46,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the faces", ("aiocoll", "aiocoll.testing", "aiocoll.pytest_plugin", "aiocoll.__main__")),
 )
 
-# Types named from a layer above, each with its reason. Nothing else may look up.
-LOOKS_UP = {
-    ("aiocoll._current", "aiocoll._engine._rank"): "the slot that says which rank runs holds the engine's "
-    "RankState; the slot sits below torch's adapter, which reads it",
-}
-
 
 def layer_of(module: str) -> int:
     """The index in LAYERS of the layer that holds ``module`` (the longest entry that names it or its package)."""

@@ -23,13 +23,14 @@ this one (``left``), and a later world then calls it, which calls this one back
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from .._current import RANK
+from .. import _current as current
 from .._stats import Phase
 
 if TYPE_CHECKING:
@@ -39,7 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["CONTEXTS", "RANK", "RankTasks", "WorldTasks", "install", "task_factory"]
 
 # RANK (``_current``'s): the rank a task or thread acts for, set by its rank's own task or
-# thread, inherited by the tasks it creates
+# thread, inherited by the tasks it creates. ``_current`` types it by what the layers below
+# read of a rank (``_current.Rank``); the engine alone sets it, always to its RankState, so
+# the engine reads it as such (a cast once, at import: nothing per read)
+RANK = cast("contextvars.ContextVar[RankState | None]", current.RANK)
 
 
 class RankTasks:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
-    from torch.testing._internal.common_distributed import MultiProcContinuousTest
+    from .._torch import MultiProcContinuousTest
 
 __all__ = ["ContinuousRanks"]
 

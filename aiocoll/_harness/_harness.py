@@ -35,7 +35,7 @@ from .._lifecycle._procworld import InProcessWorld, WorldEnd
 from .._process import _procstate
 
 if TYPE_CHECKING:
-    from torch.testing._internal.common_distributed import MultiProcessTestCase
+    from .._torch import MultiProcessTestCase
 
 C = TypeVar("C", bound=type)
 

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import _DistributedBackendOptions
     from torch.distributed.device_mesh import DeviceMesh as DeviceMesh
 
+    # torch's test harnesses' base classes, for annotations in the harness drop-ins
+    from torch.testing._internal.common_distributed import MultiProcContinuousTest as MultiProcContinuousTest
+    from torch.testing._internal.common_distributed import MultiProcessTestCase as MultiProcessTestCase
+
     # what c10d hands a backend's creator (the extended API)
     DistributedBackendOptions: TypeAlias = _DistributedBackendOptions
 

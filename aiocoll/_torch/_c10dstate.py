@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,7 @@ class C10dState(_World):  # type: ignore[misc]
 def _rank_state() -> C10dState | None:
     """The calling rank's torch.distributed state (its ``RankState.c10d``), if it has one."""
     rank = _current.RANK.get()
-    return None if rank is None else rank.c10d
+    return None if rank is None else cast("C10dState | None", rank.c10d)  # (only aiocoll sets it, to one)
 
 
 class _StateProxy(_current.StandIn):
