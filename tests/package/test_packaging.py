@@ -172,7 +172,10 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     assert required == needed, f"import aiocoll needs {sorted(needed)}, the wheel requires {sorted(required)}"
     for m, (plain, guarded, _) in imports.items():
         assert plain <= required | HOST_PROVIDED, f"{m} imports {sorted(plain - required)}, undeclared"
-        assert {(n, n) for n in guarded} <= by_extra, f"{m} may import {sorted(guarded)}: no extra for it"
+        # (a required dependency imported where a part of it may be missing, as torch's flight
+        # recorder's analyzer on an older torch, needs no extra)
+        optional = guarded - required
+        assert {(n, n) for n in optional} <= by_extra, f"{m} may import {sorted(optional)}: no extra for it"
 
 
 def test_wheel_installs_and_imports(dists: tuple[Path, Path], tmp_path: Path) -> None:
