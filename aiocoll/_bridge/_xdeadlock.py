@@ -96,7 +96,7 @@ class _Board:
         self.size = size
         self._lock = threading.Lock()
         self._waits: dict[int, Wait] = {}  # by the id of the Watch that waits
-        self._version = 0  # changes with the set
+        self._generation = 0  # changes with the set
         self._published = -1  # the version the store has (-1: none)
         self.gone = False  # the store is unreachable: no look can tell a deadlock any more
         self._acked: str | None = None  # the deadlock this process said it read
@@ -107,28 +107,28 @@ class _Board:
     def enter(self, watch: Watch) -> None:
         with self._lock:
             self._waits[id(watch)] = watch.wait
-            self._version += 1
+            self._generation += 1
 
     def leave(self, watch: Watch) -> None:
         with self._lock:
             del self._waits[id(watch)]
-            self._version += 1
+            self._generation += 1
             if self._published >= 0:
                 self._publish()  # at once: a stale "blocked" must not outlive the wait
 
     def publish(self) -> None:
         with self._lock:
-            if self._published != self._version:
+            if self._published != self._generation:
                 self._publish()
 
     def _publish(self) -> None:
-        entry = {"version": self._version, "waits": [dataclasses.asdict(w) for w in self._waits.values()]}
+        entry = {"version": self._generation, "waits": [dataclasses.asdict(w) for w in self._waits.values()]}
         try:
             self.presence.store.set(self.key(self.rank), json.dumps(entry))
         except Exception:  # the store's host left (a peer that ended): nothing to tell any more
             self.gone = True
             return
-        self._published = self._version
+        self._published = self._generation
 
     def told(self) -> str | None:
         """The deadlock another process found among this process's waits as published now, if any (acknowledged)."""

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
+from .. import _torch
 from ._device import tensors_of
 
 if TYPE_CHECKING:
@@ -257,13 +258,13 @@ def _run_staged(
         s = staged.get(id(t))
         if s is None:
             s = staged[id(t)] = hw.stage(t, op_dev)
-            back.append((t, s, s._version))
+            back.append((t, s, _torch.version_of(s)))
         return s
 
     results = run([_with_tensors(c, place) for c in calls])
     host: list[tuple[torch.Tensor, torch.Tensor]] = []
     for orig, s, version in back:
-        if s._version == version:
+        if _torch.version_of(s) == version:
             continue  # only read
         if hw.device_of(orig).type == "cuda":
             orig.copy_(s, non_blocking=True)

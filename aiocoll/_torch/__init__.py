@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from ._c10dstate import C10D_TARGETS, C10dState, c10d_changes, check_c10d
 from ._compat import TESTED
-from ._core import foreach_copy_, prepare_for_rank_threads, set_grad_enabled
+from ._core import foreach_copy_, prepare_for_rank_threads, set_grad_enabled, version_of
 from ._cuda import rank_devices
 from ._dtensor import drop_mesh_caches, drop_thread_caches, op_schema_leak_fix, pins_dtensor_specs, watch_meshes
 from ._flightrec import fr_accepts, fr_format_version
@@ -113,5 +113,6 @@ __all__ = [
     "spawned_function",
     "threaded_harness",
     "unregister_group",
+    "version_of",
     "watch_meshes",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from ._compat import _need
 
-__all__ = ["foreach_copy_", "prepare_for_rank_threads", "set_grad_enabled"]
+__all__ = ["foreach_copy_", "prepare_for_rank_threads", "set_grad_enabled", "version_of"]
 
 
 # -- plain private helpers (all releases) ---------------------------------------------
@@ -20,6 +20,12 @@ __all__ = ["foreach_copy_", "prepare_for_rank_threads", "set_grad_enabled"]
 set_grad_enabled: Callable[[bool], None] = _need(torch._C, "_set_grad_enabled", "torch._C._set_grad_enabled")
 # One kernel launch for many copies (the public loop of copy_ is 3x slower at W=64).
 foreach_copy_: Callable[..., None] = _need(torch, "_foreach_copy_", "torch._foreach_copy_")
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``), which every in-place write to it bumps:
+    how a staged copy tells whether an op wrote to it (all releases)."""
+    return t._version
 
 
 # -- process-wide lazy set-ups that must not first happen in rank threads -----------

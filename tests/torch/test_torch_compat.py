@@ -33,7 +33,7 @@ PACKAGE = Path(aiocoll.__file__).parent
 PRIVATE = re.compile(
     r"\b(torch|dist|c10d)(\.\w+)*\._(?!_)\w*"
     r"|distributed_c10d|\._get_backend\b|\._register_backend\b|\._allgather_base\b|\._reduce_scatter_base\b"
-    r"|\._thread_id\b|\._set_thread_isolation_mode\b"
+    r"|\._thread_id\b|\._set_thread_isolation_mode\b|\._version\b"
 )
 
 
