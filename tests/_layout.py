@@ -169,6 +169,74 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _defined(tree: ast.AST) -> set[str]:
+    """The attribute names the module's classes define (methods, class attributes, slots, ``self.x = ...``)."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ClassDef) and not any("Protocol" in ast.unparse(b) for b in n.bases):
+            for b in n.body:
+                if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out.add(b.name)
+                elif isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
+                    out.add(b.target.id)
+                elif isinstance(b, ast.Assign):
+                    for t in b.targets:
+                        if (
+                            isinstance(t, ast.Name)
+                            and t.id == "__slots__"
+                            and isinstance(b.value, (ast.Tuple, ast.List))
+                        ):
+                            out |= {
+                                e.value
+                                for e in b.value.elts
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            }
+                        elif isinstance(t, ast.Name):
+                            out.add(t.id)
+        elif (
+            isinstance(n, ast.Attribute)
+            and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name)
+            and n.value.id in ("self", "cls")
+        ):
+            out.add(n.attr)
+    return out
+
+
+def private_uses_across_layers(root: Path = ROOT) -> list[str]:
+    """``x._name`` where ``_name`` is an attribute that only modules of another layer define.
+
+    Read from the text: ``self``'s own and submodules are left out, and a name that no module of
+    aiocoll defines (torch's, the standard library's) is not aiocoll's to count. Within a layer a
+    leading underscore is private to the layer (the engine's modules share ``EngineWork``'s
+    fields); across layers, what one reads of another has a public name.
+    """
+    known = modules(root)
+    trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in known.items()}
+    owners: dict[str, set[str]] = {}
+    for m, tree in trees.items():
+        for name in _defined(tree):
+            owners.setdefault(name, set()).add(m)
+    short = {m.rsplit(".", 1)[-1] for m in known}
+    out = []
+    for m, tree in trees.items():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            if isinstance(n.value, ast.Name) and (n.value.id in ("self", "cls") or n.attr in short):
+                continue
+            defining = owners.get(n.attr, set())
+            if not defining or m in defining:
+                continue
+            try:
+                if any(layer_of(d) == layer_of(m) for d in defining):
+                    continue
+            except LookupError:  # a tree without these layers
+                continue
+            out.append(f"{m}:{n.lineno}: {ast.unparse(n)}")
+    return sorted(out)
+
+
 def _back_up(i: Import) -> bool:
     try:
         return layer_of(i.target) > layer_of(i.source)
@@ -210,6 +278,7 @@ def figures(root: Path = ROOT) -> dict[str, object]:
         if any(root.glob("*/__init__.py"))
         else "no layers on disk",
         "circles with the types named for the checker": [len(c) for c in _cycles(typed)],
+        "private names used across layers": private_uses_across_layers(root),
     }
 
 

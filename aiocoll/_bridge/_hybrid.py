@@ -234,7 +234,7 @@ class HybridWorld:
                     rank=rank,
                 )
                 e.__cause__ = cause
-                w._resolve(exc=e)
+                world.fail(w, e)
             what = ", ".join(f"{w.call.describe()} {w.where} at {fmt_site(w.site)}" for w in waits)
             states.append(f"rank {st.rank} was waiting in {what}")
         err = self.gone_error = WorldAbortedError(f"{who}; {'; '.join(states)}", rank=rank)

@@ -300,6 +300,11 @@ class World:
             return
         self._run(rdv, op)
 
+    def fail(self, work: EngineWork, error: BaseException) -> None:
+        """End a rank's wait in ``work`` with ``error``: for a layer above that learns first why
+        it cannot complete (a hybrid world whose peer process is gone)."""
+        work._resolve(exc=error)
+
     def _fail_rendezvous(self, rdv: Rendezvous, cls: type[AiocollError], message: str) -> None:
         rdv.group.pending.pop(rdv.seq, None)
         self.runner.fail_each(rdv.works, cls, message)
