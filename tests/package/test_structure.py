@@ -213,3 +213,16 @@ def test_the_layout_keeps_its_sizes() -> None:
     assert anys <= 150
     assert isinstance(protocols, int)
     assert protocols <= 8
+
+
+def test_the_pytest_plugin_imports_the_watchdog_as_pytest_loads_it() -> None:
+    # the watchdog writes to stderr as it was when first imported: the plugin must import it at
+    # its top, which pytest runs as it loads its plugins, before it captures fd 2 for a test
+    tree = ast.parse(modules()["aiocoll.pytest_plugin"].read_text(encoding="utf-8"))
+    names = {
+        (node.module or "") + ":" + alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names
+    }
+    assert ":_watchdog" in names, sorted(names)
