@@ -220,10 +220,19 @@ def private_uses_across_layers(root: Path = ROOT) -> list[str]:
     short = {m.rsplit(".", 1)[-1] for m in known}
     out = []
     for m, tree in trees.items():
+        # the names this module binds by importing (a module's alias, ``from .. import _torch``)
+        bound = {
+            a.asname or a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+        }
         for n in ast.walk(tree):
             if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
                 continue
-            if isinstance(n.value, ast.Name) and (n.value.id in ("self", "cls") or n.attr in short):
+            if isinstance(n.value, ast.Name) and (
+                n.value.id in ("self", "cls") or (n.attr in short and n.value.id in bound)  # (a submodule)
+            ):
                 continue
             defining = owners.get(n.attr, set())
             if not defining or m in defining:
