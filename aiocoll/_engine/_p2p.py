@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 from .._errors import CollectiveMismatchError, CollectiveTimeoutError
 from .._ops import Recv, Send, check_transfer, transfer
+from .._work import fmt_site
 
 if TYPE_CHECKING:
     from ._groups import Group
@@ -38,11 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["P2PMatcher"]
 
 _now = time.perf_counter
-
-
-def _fmt_site(site: tuple[str, int] | None) -> str:
-    # as _engine.fmt_site, which this module does not import
-    return "?" if site is None else f"{site[0]}:{site[1]}"
 
 
 class P2PMatcher:
@@ -123,8 +119,8 @@ class P2PMatcher:
         if problem is not None:
             msg = (
                 f"{problem} on group {group.name!r}:\n"
-                f"  rank {src}: {send.describe()} at {_fmt_site(sw._site)}\n"
-                f"  rank {send.dst}: {recv.describe()} at {_fmt_site(rw._site)}"
+                f"  rank {src}: {send.describe()} at {fmt_site(sw._site)}\n"
+                f"  rank {send.dst}: {recv.describe()} at {fmt_site(rw._site)}"
             )
             errs = [CollectiveMismatchError(msg), CollectiveMismatchError(msg)]
             sw._resolve(exc=errs[0])

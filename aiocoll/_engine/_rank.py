@@ -349,7 +349,7 @@ class EngineWork(Work):
     @property
     def owner(self) -> int:
         """The global rank that issued it."""
-        return self._rank.rank
+        return self._owner
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._fut
