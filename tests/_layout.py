@@ -134,8 +134,14 @@ def graph(root: Path = ROOT) -> dict[str, list[Import]]:
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
-def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+def runtime(g: dict[str, list[Import]]) -> dict[str, set[str]]:
+    """The modules each module imports when it runs (those under ``TYPE_CHECKING`` left out)."""
+    return {m: {i.target for i in found if not i.typing_only} for m, found in g.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other in a loop: each strongly connected component of more
+    than one module, sorted (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -271,7 +277,7 @@ def figures(root: Path = ROOT) -> dict[str, object]:
             elif isinstance(node, ast.ClassDef) and any("Protocol" in ast.unparse(b) for b in node.bases):
                 protocols += 1
     g = {name: imports(name, path, known) for name, path in known.items()}
-    run = {m: {i.target for i in found if not i.typing_only} for m, found in g.items()}
+    run = runtime(g)
     typed = {m: {i.target for i in found} for m, found in g.items()}
     return {
         "modules": len(known),
@@ -280,13 +286,13 @@ def figures(root: Path = ROOT) -> dict[str, object]:
         "modules over 800 lines": sorted(f"{m} ({n})" for m, n in lines.items() if n > 800),
         "Any": anys,
         "Protocol classes": protocols,
-        "run-time import circles": [len(c) for c in _cycles(run)],
+        "run-time import circles": [len(c) for c in cycles(run)],
         "imports that run back up the layers": sorted(
             f"{i.source} -> {i.target}" for found in g.values() for i in found if _back_up(i)
         )
         if any(root.glob("*/__init__.py"))
         else "no layers on disk",
-        "circles with the types named for the checker": [len(c) for c in _cycles(typed)],
+        "circles with the types named for the checker": [len(c) for c in cycles(typed)],
         "private names used across layers": private_uses_across_layers(root),
     }
 

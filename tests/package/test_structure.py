@@ -14,39 +14,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from _layout import LAYERS, ROOT, Import, figures, graph, imports, layer_of, modules
-
-
-def _runtime(g: dict[str, list[Import]]) -> dict[str, set[str]]:
-    return {m: {i.target for i in found if not i.typing_only} for m, found in g.items()}
-
-
-def _cycle(g: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``g`` as [a, b, ..., a], or None if it has none (depth-first search)."""
-    WHITE, GREY, BLACK = 0, 1, 2
-    color = dict.fromkeys(g, WHITE)
-    stack: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        color[m] = GREY
-        stack.append(m)
-        for dep in sorted(g.get(m, ())):
-            if color.get(dep, BLACK) == GREY:
-                return [*stack[stack.index(dep) :], dep]
-            if color.get(dep) == WHITE:
-                found = visit(dep)
-                if found is not None:
-                    return found
-        stack.pop()
-        color[m] = BLACK
-        return None
-
-    for m in sorted(g):
-        if color[m] == WHITE:
-            found = visit(m)
-            if found is not None:
-                return found
-    return None
+from _layout import LAYERS, ROOT, cycles, figures, graph, imports, layer_of, modules, runtime
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
@@ -92,15 +60,15 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
         ("aiocoll._bridge._pg", False),
         ("aiocoll._spawn", False),
     }
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     assert layer_of("aiocoll._engine._world") == layer_of("aiocoll._engine") > layer_of("aiocoll._ops._cuda")
     with pytest.raises(LookupError):
         layer_of("aiocoll._nowhere")
 
 
 def test_known_modules_are_seen() -> None:
-    g = _runtime(graph())
+    g = runtime(graph())
     assert {"aiocoll._engine._world", "aiocoll._comm", "aiocoll._bridge._pg", "aiocoll._ops._cuda"} <= set(g)
     assert "aiocoll._engine._world" in g["aiocoll._lifecycle._driver"]  # a guard: the parse finds real edges
 
@@ -122,8 +90,8 @@ def test_at_least_four_layers_are_packages_and_the_top_level_stays_small() -> No
 
 
 def test_no_import_cycles() -> None:
-    cycle = _cycle(_runtime(graph()))
-    assert cycle is None, "import cycle among aiocoll's modules: " + " -> ".join(cycle or [])
+    found = cycles(runtime(graph()))
+    assert not found, "modules that import each other in a loop: " + "; ".join(", ".join(c) for c in found)
 
 
 def test_no_module_imports_from_a_layer_above() -> None:
@@ -167,7 +135,7 @@ def test_the_world_that_stands_for_processes_knows_no_test_harness(tmp_path: Pat
     # `aiocoll run` and its mp.spawn run on _procworld, which is no test harness's: neither they nor
     # anything they import imports unittest or the harness's modules (torch itself imports unittest,
     # so sys.modules cannot tell: the imports are read)
-    g = _runtime(graph())
+    g = runtime(graph())
     names = modules()
     harness = {m for m in names if layer_of(m) == layer_of("aiocoll._harness")} | {"aiocoll.testing"}
     for entry in ("aiocoll._lifecycle._procworld", "aiocoll._cli._run", "aiocoll._cli._mpspawn"):
